@@ -1,0 +1,95 @@
+"""Deterministic byte-level BPE tokenizers for the built-in models, built without downloads.
+
+The vocabulary is the 256 byte symbols of GPT-2-style byte-level BPE, a handful of special tokens,
+and, for larger vocabularies, merges generated in a fixed order (character bigrams, then trigrams,
+then four-grams over a fixed alphabet). The result is an ordinary ``tokenizers`` BPE model that
+``transformers.AutoTokenizer`` loads like any other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ("<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>")
+BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def _byte_symbols() -> list[str]:
+    """The byte-to-unicode table of byte-level BPE, in byte order."""
+    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table: dict[int, str] = {b: chr(b) for b in visible}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def _merges(count: int, byte_symbols: list[str]) -> list[tuple[str, str]]:
+    if count <= 0:
+        return []
+    space = byte_symbols[ord(" ")]
+    lower = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    printable = [byte_symbols[b] for b in range(32, 127)]
+    merges: list[tuple[str, str]] = []
+    merges += list(itertools.product(printable, printable))
+    words = [space, *lower]
+    merges += [(a + b, c) for a, b, c in itertools.product(words, words, words)]
+    merges += [(a + b + c, d) for a, b, c, d in itertools.product(lower, lower, lower, lower)]
+    if count > len(merges):
+        raise ValueError(f"cannot build {count} merges (at most {len(merges)})")
+    return merges[:count]
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids."""
+    byte_symbols = _byte_symbols()
+    n_merges = vocab_size - len(byte_symbols) - len(SPECIAL_TOKENS)
+    if n_merges < 0:
+        raise ValueError(f"vocab_size {vocab_size} is below the {len(byte_symbols) + len(SPECIAL_TOKENS)} base ids")
+    vocab: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    for symbol in byte_symbols:
+        vocab[symbol] = len(vocab)
+    merges = _merges(n_merges, byte_symbols)
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    return tok
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
+    tok = build_tokenizer(vocab_size)
+    (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=False), encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

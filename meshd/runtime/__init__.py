@@ -1,0 +1,1 @@
+"""Model execution: layer-range shards, their KV state, and sampling."""

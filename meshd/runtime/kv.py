@@ -1,0 +1,154 @@
+"""KV state of the sessions running through one shard.
+
+Each session, keyed by ``(session_id, epoch)``, owns the attention keys and values of this shard's
+layers only. The manager accounts the bytes of the tensors it actually holds, and evicts by idle TTL,
+by least-recent use when the byte budget is exceeded, and on request. A session that is gone is
+remembered (boundedly) with the reason, so a late step gets an explicit cache miss that says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshd.errors import CacheMiss, KVBudgetExceeded
+from meshd.wire.bundle import Sampling
+
+SessionKey = tuple[str, int]
+
+_GONE_MEMORY = 4096
+
+
+@dataclass
+class SessionKV:
+    """One session's attention cache for this shard's layers.
+
+    It is handed to the transformers attention modules as their cache: ``update`` appends the new
+    keys and values of one layer and returns the whole history of that layer.
+    """
+
+    key: SessionKey
+    sampling: Sampling
+    length: int = 0
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    last_used: float = 0.0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_a, **_kw):
+        if layer_idx in self.keys:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], dim=-2)
+        else:
+            self.keys[layer_idx] = key_states
+            self.values[layer_idx] = value_states
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def truncate(self, length: int) -> None:
+        """Drop everything past ``length`` tokens (undoes a step that failed half-way)."""
+        for store in (self.keys, self.values):
+            for layer, tensor in list(store.items()):
+                if length == 0:
+                    del store[layer]
+                elif tensor.shape[-2] > length:
+                    store[layer] = tensor[..., :length, :].clone()
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+class KVManager:
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._sessions: OrderedDict[SessionKey, SessionKV] = OrderedDict()
+        self._bytes: dict[SessionKey, int] = {}
+        self._gone: OrderedDict[SessionKey, str] = OrderedDict()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None if self.budget_bytes is None else max(0, self.budget_bytes - self.used_bytes)
+
+    def __contains__(self, key: SessionKey) -> bool:
+        return key in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def keys(self) -> list[SessionKey]:
+        return list(self._sessions)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def open(self, key: SessionKey, sampling: Sampling) -> SessionKV:
+        self.expire()
+        if key in self._sessions:
+            self._forget(key, "replaced")
+        session = SessionKV(key=key, sampling=sampling, last_used=self._clock())
+        self._sessions[key] = session
+        self._bytes[key] = 0
+        self._gone.pop(key, None)
+        return session
+
+    def get(self, key: SessionKey) -> SessionKV:
+        self.expire()
+        session = self._sessions.get(key)
+        if session is None:
+            reason = self._gone.get(key, "unknown session")
+            raise CacheMiss(key[0], key[1], reason)
+        return session
+
+    def commit(self, key: SessionKey) -> None:
+        """Account a session after a step: refresh its bytes and recency, then enforce the budget."""
+        session = self._sessions[key]
+        session.last_used = self._clock()
+        self._sessions.move_to_end(key)
+        self._bytes[key] = session.nbytes
+        if self.budget_bytes is None:
+            return
+        if self._bytes[key] > self.budget_bytes:
+            self._forget(key, "evicted: session alone exceeds the KV budget")
+            raise KVBudgetExceeded(
+                f"session {key[0]!r} needs {session.nbytes} KV bytes, budget is {self.budget_bytes}"
+            )
+        while self.used_bytes > self.budget_bytes:
+            oldest = next(iter(self._sessions))
+            self._forget(oldest, "evicted: least recently used, KV budget full")
+
+    def release(self, key: SessionKey) -> bool:
+        if key not in self._sessions:
+            return False
+        self._forget(key, "released")
+        return True
+
+    def expire(self) -> list[SessionKey]:
+        now = self._clock()
+        expired = [k for k, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+        for key in expired:
+            self._forget(key, f"evicted: idle longer than {self.ttl_s:g}s")
+        return expired
+
+    def _forget(self, key: SessionKey, reason: str) -> None:
+        self._sessions.pop(key, None)
+        self._bytes.pop(key, None)
+        self._gone[key] = reason
+        self._gone.move_to_end(key)
+        while len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)

@@ -1,0 +1,1 @@
+"""Wire formats shared by every hop: the hidden-state bundle and its codec."""

@@ -1,0 +1,176 @@
+"""Hidden-state bundle: typed view over the protobuf message, with strict validation.
+
+Encoding writes tensors as raw little-endian bytes. Decoding checks every tensor's dtype, shape and
+byte length, and the bundle's own counters, before any byte becomes a tensor; anything inconsistent
+raises :class:`~meshd.errors.BundleError`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from meshd.errors import BundleError
+from meshd.wire import hidden_state_pb2 as pb
+
+SCHEMA_VERSION = 1
+MAX_TENSORS = 16
+MAX_RANK = 4
+
+
+class Phase(IntEnum):
+    PREFILL = pb.PREFILL
+    DECODE = pb.DECODE
+
+
+_DTYPES: dict[int, tuple[torch.dtype, int]] = {
+    pb.FLOAT32: (torch.float32, 4),
+    pb.FLOAT16: (torch.float16, 2),
+    pb.BFLOAT16: (torch.bfloat16, 2),
+    pb.INT64: (torch.int64, 8),
+    pb.INT32: (torch.int32, 4),
+}
+_WIRE_DTYPE = {torch_dtype: code for code, (torch_dtype, _) in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the tail picks a token. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class HiddenStateBundle:
+    session_id: str
+    epoch: int
+    phase: Phase
+    start_position: int
+    token_count: int
+    tensors: dict[str, torch.Tensor]
+    range_start: int
+    range_end: int
+    step: int = 0
+    sample: bool = False
+    sampling: Sampling | None = None
+    version: int = field(default=SCHEMA_VERSION)
+
+
+def encode(bundle: HiddenStateBundle) -> bytes:
+    msg = pb.HiddenStateBundle(
+        version=bundle.version,
+        session_id=bundle.session_id,
+        epoch=bundle.epoch,
+        step=bundle.step,
+        phase=int(bundle.phase),
+        start_position=bundle.start_position,
+        token_count=bundle.token_count,
+        range_start=bundle.range_start,
+        range_end=bundle.range_end,
+        sample=bundle.sample,
+    )
+    if bundle.sampling is not None:
+        s = bundle.sampling
+        msg.sampling.CopyFrom(
+            pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        )
+    for name, tensor in bundle.tensors.items():
+        code = _WIRE_DTYPE.get(tensor.dtype)
+        if code is None:
+            raise BundleError(f"tensor {name!r}: dtype {tensor.dtype} has no wire encoding")
+        msg.tensors.append(
+            pb.Tensor(name=name, dtype=code, shape=list(tensor.shape), data=_tensor_bytes(tensor))
+        )
+    return msg.SerializeToString()
+
+
+def decode(data: bytes) -> HiddenStateBundle:
+    msg = pb.HiddenStateBundle()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise BundleError(f"bundle does not parse: {exc}") from None
+    if msg.version != SCHEMA_VERSION:
+        raise BundleError(f"bundle schema version {msg.version} is not supported (this peer: {SCHEMA_VERSION})")
+    if msg.phase not in (pb.PREFILL, pb.DECODE):
+        raise BundleError(f"bundle phase {msg.phase} is not prefill or decode")
+    if not msg.session_id:
+        raise BundleError("bundle has no session id")
+    if msg.token_count < 1:
+        raise BundleError("bundle carries no tokens")
+    if msg.phase == pb.DECODE and msg.token_count != 1:
+        raise BundleError(f"a decode bundle carries one token, not {msg.token_count}")
+    if msg.range_end <= msg.range_start:
+        raise BundleError(f"empty layer range [{msg.range_start}, {msg.range_end})")
+    if len(msg.tensors) > MAX_TENSORS:
+        raise BundleError(f"bundle has {len(msg.tensors)} tensors (limit {MAX_TENSORS})")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in msg.tensors:
+        if t.name in tensors:
+            raise BundleError(f"tensor {t.name!r} appears twice")
+        tensors[t.name] = _decode_tensor(t)
+    sampling = None
+    if msg.HasField("sampling"):
+        s = msg.sampling
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise BundleError(f"sampling temperature {s.temperature} is not a finite non-negative number")
+        if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
+            raise BundleError(f"sampling top_p {s.top_p} is outside [0, 1]")
+        sampling = Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed)
+    return HiddenStateBundle(
+        session_id=msg.session_id,
+        epoch=msg.epoch,
+        phase=Phase(msg.phase),
+        start_position=msg.start_position,
+        token_count=msg.token_count,
+        tensors=tensors,
+        range_start=msg.range_start,
+        range_end=msg.range_end,
+        step=msg.step,
+        sample=msg.sample,
+        sampling=sampling,
+        version=msg.version,
+    )
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().to("cpu").contiguous()
+    raw = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    if sys.byteorder != "little":
+        raw = raw.byteswap()
+    return raw.tobytes()
+
+
+def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
+    if t.dtype not in _DTYPES:
+        raise BundleError(f"tensor {t.name!r}: unknown dtype code {t.dtype}")
+    dtype, itemsize = _DTYPES[t.dtype]
+    if not 1 <= len(t.shape) <= MAX_RANK:
+        raise BundleError(f"tensor {t.name!r}: rank {len(t.shape)} is outside 1..{MAX_RANK}")
+    shape = tuple(int(d) for d in t.shape)
+    expected = math.prod(shape) * itemsize
+    if expected != len(t.data):
+        raise BundleError(
+            f"tensor {t.name!r}: shape {list(shape)} x {itemsize} bytes needs {expected} bytes, got {len(t.data)}"
+        )
+    if expected == 0:
+        raise BundleError(f"tensor {t.name!r} is empty")
+    np_dtype = {torch.bfloat16: np.int16}.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype
+    array = np.frombuffer(t.data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
+    tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+    if dtype == torch.bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor

@@ -1,0 +1,34 @@
+"""Reference runs for the tests: plain single-process transformers generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+_MODELS: dict[Path, torch.nn.Module] = {}
+
+
+def reference_model(model_dir: Path):
+    if model_dir not in _MODELS:
+        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _MODELS[model_dir]
+
+
+def reference_generate(model_dir: Path, prompt: list[int], max_new_tokens: int):
+    """Greedy ``generate()`` with KV cache and no early stop: (tokens, per-step logits)."""
+    model = reference_model(model_dir)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id,
+        return_dict_in_generate=True, output_logits=True,
+    )
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logits = [step[0] for step in out.logits]
+    return tokens, logits
+
+
+PROMPT = [0, 3, 16, 78, 107, 114, 114, 117, 38, 122, 110, 107, 120, 107, 50, 38, 115, 107, 121, 110, 39, 1, 16,
+          4, 16, 201, 33, 150, 12, 90, 91, 92, 93]
