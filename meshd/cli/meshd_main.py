@@ -1,11 +1,97 @@
-"""``meshd``: the daemon."""
+"""``meshd``: the peer daemon."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from meshd.errors import MeshError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshd",
+        description="The meshd peer daemon: joins a mesh, serves a layer range of a model, answers the OpenAI API.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="run a peer until SIGINT/SIGTERM",
+        description="Run one peer. Settings come from --config (TOML), then MESHD_* environment variables, "
+        "then these flags. Without --layers the elected tracker tells the peer which layers to load.",
+    )
+    run.add_argument("--config", type=Path, metavar="FILE", help="TOML file with any of the settings below")
+    run.add_argument("--data-dir", metavar="DIR", help="identity key and state (default ./meshd-data)")
+    run.add_argument("--name", help="a label for this peer in meshctl peers")
+    run.add_argument("--listen", metavar="HOST:PORT", help="peer transport listener (default 127.0.0.1:7700)")
+    run.add_argument("--advertise", metavar="HOST:PORT", help="address other peers dial (default: --listen)")
+    run.add_argument("--api", metavar="HOST:PORT", help="OpenAI API listener (default 127.0.0.1:8000)")
+    run.add_argument("--control", metavar="HOST:PORT", help="meshctl control API (default 127.0.0.1:7701)")
+    run.add_argument("--bootstrap", action="append", metavar="HOST:PORT",
+                     help="a peer to join through (repeatable)")
+    run.add_argument("--model", metavar="DIR", help="Hugging Face model directory this peer can serve")
+    run.add_argument("--model-id", help="the model's name in the API (default: directory name)")
+    run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
+    run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
+    run.add_argument("--kv-budget", metavar="SIZE", help="bytes of KV state across sessions (e.g. 1GiB)")
+    run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 128)")
+    run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
+                     help="never take the tracker role")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--ready-file", metavar="FILE",
+                     help="write this peer's status as JSON here once it listens (for scripts and tests)")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from meshd.daemon.config import load_config
+    from meshd.daemon.peer import Peer
+
+    overrides = {
+        "data_dir": args.data_dir, "name": args.name, "listen": args.listen, "advertise": args.advertise,
+        "api": args.api, "control": args.control, "bootstrap": args.bootstrap, "model": args.model,
+        "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
+        "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
+        "log_level": args.log_level, "ready_file": args.ready_file,
+    }
+    try:
+        config = load_config(args.config, overrides)
+    except (ValueError, OSError) as exc:
+        print(f"meshd: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hpack", "h2", "httpx", "httpx2", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    async def main() -> None:
+        peer = Peer(config)
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                await nursery.start(peer.run)
+                async for signum in signals:
+                    logging.getLogger("meshd").info("received %s; shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(main)
+    except (OSError, MeshError) as exc:
+        logging.getLogger("meshd").error("meshd stopped: %s", exc)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="meshd", description="The meshd peer daemon.")
-    parser.parse_args(argv)
-    parser.print_help()
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

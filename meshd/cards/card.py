@@ -1,0 +1,197 @@
+"""Capability cards: sign, verify, and keep the latest verified card of every peer.
+
+A card is accepted only when its bytes parse, its public key derives its peer id, its signature
+covers exactly those bytes, it has not expired, and its sequence is newer than any card already
+held for that peer. Anything else raises :class:`CardRejected` and changes nothing, so a forged,
+replayed or stale card can never displace what a peer last said about itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+from nacl.signing import SigningKey
+
+from meshd.cards.keys import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, peer_id_from_public_key, sign, signature_valid
+from meshd.errors import MeshError
+from meshd.wire import card_pb2 as pb
+
+
+class RejectReason(enum.StrEnum):
+    BAD_SIGNATURE = "bad_signature"
+    KEY_MISMATCH = "key_mismatch"
+    EXPIRED = "expired"
+    REPLAYED = "replayed"
+    MALFORMED = "malformed"
+
+
+class CardRejected(MeshError):
+    """A card failed verification; ``reason`` says which check refused it."""
+
+    code = "card_rejected"
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        super().__init__(f"card rejected: {reason.value}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Card:
+    """A verified card: the parsed record plus the signed bytes it came from, for re-gossip."""
+
+    card: pb.CapabilityCard
+    signed: pb.SignedCard
+
+    @property
+    def peer_id(self) -> str:
+        return self.card.peer_id
+
+    @property
+    def sequence(self) -> int:
+        return self.card.sequence
+
+    @property
+    def expires_at_ms(self) -> int:
+        return self.card.expires_at_ms
+
+
+def sign_card(card: pb.CapabilityCard, signing_key: SigningKey) -> pb.SignedCard:
+    """Serialize once and sign those exact bytes; receivers verify the bytes, not a re-encoding."""
+    payload = card.SerializeToString(deterministic=True)
+    return pb.SignedCard(card=payload, signature=sign(signing_key, payload))
+
+
+def _parse_signed(signed: pb.SignedCard | bytes) -> pb.SignedCard:
+    if isinstance(signed, pb.SignedCard):
+        return signed
+    out = pb.SignedCard()
+    try:
+        out.ParseFromString(bytes(signed))
+    except DecodeError as exc:
+        raise CardRejected(RejectReason.MALFORMED, "signed card does not parse") from exc
+    return out
+
+
+def verify_card(signed: pb.SignedCard | bytes, now_ms: int, known_sequence: int | None = None) -> Card:
+    """Verify one card; ``known_sequence`` is the sequence already held for that peer, if any."""
+    signed = _parse_signed(signed)
+    card = pb.CapabilityCard()
+    try:
+        card.ParseFromString(signed.card)
+    except DecodeError as exc:
+        raise CardRejected(RejectReason.MALFORMED, "card does not parse") from exc
+    if not card.peer_id or len(card.public_key) != PUBLIC_KEY_BYTES or len(signed.signature) != SIGNATURE_BYTES:
+        raise CardRejected(RejectReason.MALFORMED, "missing peer id, key or signature")
+    if card.expires_at_ms <= card.issued_at_ms:
+        raise CardRejected(RejectReason.MALFORMED, "expires before it was issued")
+    if peer_id_from_public_key(card.public_key) != card.peer_id:
+        raise CardRejected(RejectReason.KEY_MISMATCH, card.peer_id)
+    if not signature_valid(card.public_key, signed.card, signed.signature):
+        raise CardRejected(RejectReason.BAD_SIGNATURE, card.peer_id)
+    if card.expires_at_ms <= now_ms:
+        raise CardRejected(RejectReason.EXPIRED, f"{card.peer_id} expired at {card.expires_at_ms}")
+    if known_sequence is not None and card.sequence <= known_sequence:
+        raise CardRejected(RejectReason.REPLAYED, f"{card.peer_id} sequence {card.sequence} <= {known_sequence}")
+    return Card(card=card, signed=pb.SignedCard(card=signed.card, signature=signed.signature))
+
+
+@dataclass
+class CardStore:
+    """The latest verified card per peer, plus a sequence floor for peers whose card was dropped.
+
+    The floor outlives the card so that an old card still circulating in gossip cannot bring a dead
+    or departed peer back; only a newer card from the peer itself can.
+    """
+
+    _cards: dict[str, Card] = field(default_factory=dict)
+    _floor: dict[str, int] = field(default_factory=dict)
+
+    def accept(self, signed: pb.SignedCard | bytes, now_ms: int) -> bool:
+        """Store the card if it verifies and is newer; False for an exact duplicate of the held card.
+
+        Gossip delivers the same card many times; a byte-identical copy is not an attack, so it is
+        answered cheaply without a signature check. Any other failure raises :class:`CardRejected`.
+        """
+        signed = _parse_signed(signed)
+        peer_id = peek_peer_id(signed)
+        held = self._cards.get(peer_id) if peer_id else None
+        if held is not None and held.signed.card == signed.card and held.signed.signature == signed.signature:
+            return False
+        known = self.known_sequence(peer_id) if peer_id else None
+        card = verify_card(signed, now_ms, known)
+        self._cards[card.peer_id] = card
+        return True
+
+    def known_sequence(self, peer_id: str) -> int | None:
+        held = self._cards.get(peer_id)
+        if held is not None:
+            return held.sequence
+        return self._floor.get(peer_id)
+
+    def get(self, peer_id: str) -> Card | None:
+        return self._cards.get(peer_id)
+
+    def cards(self) -> dict[str, Card]:
+        return dict(self._cards)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._cards
+
+    def __len__(self) -> int:
+        return len(self._cards)
+
+    def remove(self, peer_id: str, floor: int | None = None) -> Card | None:
+        """Drop a peer's card, remembering its sequence (or ``floor`` if higher) as the replay floor."""
+        card = self._cards.pop(peer_id, None)
+        marks = [s for s in (card.sequence if card else None, floor, self._floor.get(peer_id)) if s is not None]
+        if marks:
+            self._floor[peer_id] = max(marks)
+        return card
+
+    def sweep(self, now_ms: int) -> list[str]:
+        """Drop every expired card; return the peers whose card went."""
+        gone = [peer_id for peer_id, card in self._cards.items() if card.expires_at_ms <= now_ms]
+        for peer_id in gone:
+            self.remove(peer_id)
+        return gone
+
+
+def peek_peer_id(signed: pb.SignedCard) -> str | None:
+    """The peer id a card claims, unverified; used to find the held card before checking."""
+    card = pb.CapabilityCard()
+    try:
+        card.ParseFromString(signed.card)
+    except DecodeError:
+        return None
+    return card.peer_id or None
+
+
+class CardIssuer:
+    """Issues this peer's own cards with strictly increasing sequence numbers.
+
+    ``template`` holds everything except identity, sequence and validity times, which the issuer
+    fills in; callers update the template (load, models, addresses) and issue again.
+    """
+
+    def __init__(self, signing_key: SigningKey, template: pb.CapabilityCard | None = None,
+                 ttl_ms: int = 10 * 60 * 1000, sequence: int = 0) -> None:
+        self.signing_key = signing_key
+        self.public_key = bytes(signing_key.verify_key)
+        self.peer_id = peer_id_from_public_key(self.public_key)
+        self.template = template if template is not None else pb.CapabilityCard()
+        self.ttl_ms = ttl_ms
+        self.sequence = sequence
+
+    def issue(self, now_ms: int, at_least: int = 0) -> pb.SignedCard:
+        """Sign a new card whose sequence beats both our last one and ``at_least``."""
+        self.sequence = max(self.sequence, at_least) + 1
+        card = pb.CapabilityCard()
+        card.CopyFrom(self.template)
+        card.peer_id = self.peer_id
+        card.public_key = self.public_key
+        card.sequence = self.sequence
+        card.issued_at_ms = now_ms
+        card.expires_at_ms = now_ms + self.ttl_ms
+        return sign_card(card, self.signing_key)

@@ -1,0 +1,1 @@
+"""The meshd daemon: one peer, its planes wired together under one Trio nursery tree."""

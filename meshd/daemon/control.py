@@ -1,0 +1,39 @@
+"""The local control API that ``meshctl`` talks to: JSON over HTTP, bound to loopback by default."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from meshd.tracker.routing import NoRouteError
+
+
+def build_control_app(peer) -> Starlette:
+    async def status(_request: Request) -> JSONResponse:
+        return JSONResponse(peer.status())
+
+    async def peers(_request: Request) -> JSONResponse:
+        return JSONResponse({"peers": peer.peers_table()})
+
+    async def route(request: Request) -> JSONResponse:
+        model = request.query_params.get("model", "")
+        if model not in peer.known_models():
+            return JSONResponse({"error": f"unknown model {model!r}", "models": sorted(peer.known_models())},
+                                status_code=404)
+        try:
+            chosen, _addresses, source = await peer.route_for(model)
+        except NoRouteError as exc:
+            return JSONResponse({"error": str(exc), "missing": exc.missing}, status_code=503)
+        return JSONResponse({
+            "model": chosen.model_id, "compat_key": chosen.compat_key, "epoch": chosen.epoch,
+            "cost_ms": chosen.cost_ms, "planned_by": source,
+            "hops": [dict(t) for t in chosen.terms],
+        })
+
+    return Starlette(routes=[
+        Route("/status", status),
+        Route("/peers", peers),
+        Route("/route", route),
+    ])

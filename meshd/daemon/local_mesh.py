@@ -1,0 +1,188 @@
+"""Start several meshd daemons on loopback, each its own process: for the demo, benchmarks and tests.
+
+Every peer listens on ports the kernel picks (port 0) and writes a ready file with its status, so
+nothing here guesses at free ports. Peers join through the first one. ``stop`` sends SIGTERM to
+every process this object started and waits; anything still running after the grace period gets
+SIGKILL. Only processes started here are ever signalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshd.runtime.model_info import describe_model
+
+
+class LocalMeshError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalPeer:
+    index: int
+    process: subprocess.Popen
+    data_dir: Path
+    log_path: Path
+    ready_file: Path
+    status: dict = field(default_factory=dict)
+
+    @property
+    def control(self) -> str:
+        return self.status["control"]
+
+    @property
+    def api(self) -> str:
+        return self.status["api"]
+
+    @property
+    def listen(self) -> str:
+        return self.status["listen"]
+
+    @property
+    def peer_id(self) -> str:
+        return self.status["peer_id"]
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(f"http://{self.control}{path}", timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
+    """Memory budgets that make placement split the model into ``parts`` contiguous ranges."""
+    info = describe_model(model_dir)
+    base, extra = divmod(info.n_layers, parts)
+    sizes = [base + (1 if i < extra else 0) for i in range(parts)]
+    return [size * info.layer_bytes + info.edge_bytes + info.layer_bytes // 2 for size in sizes]
+
+
+class LocalMesh:
+    def __init__(self, workdir: Path, *, log_level: str = "info", env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_level = log_level
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.peers: list[LocalPeer] = []
+
+    def __enter__(self) -> LocalMesh:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start_peer(self, *, model: Path | None = None, memory_budget: int | None = None,
+                   layers: tuple[int, int] | None = None, extra: list[str] | None = None,
+                   bootstrap: bool = True, timeout: float = 60.0, wait: bool = True) -> LocalPeer:
+        index = len(self.peers)
+        data_dir = self.workdir / f"peer{index}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        ready = data_dir / "ready.json"
+        ready.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "meshd.cli.meshd_main", "run", "--data-dir", str(data_dir),
+                "--name", f"peer{index}", "--listen", "127.0.0.1:0", "--api", "127.0.0.1:0",
+                "--control", "127.0.0.1:0", "--ready-file", str(ready), "--log-level", self.log_level]
+        if model is not None:
+            args += ["--model", str(model)]
+        if memory_budget is not None:
+            args += ["--memory-budget", str(memory_budget)]
+        if layers is not None:
+            args += ["--layers", f"{layers[0]}:{layers[1]}"]
+        if bootstrap and self.peers:
+            live = [p for p in self.peers if p.process.poll() is None]
+            if live:
+                args += ["--bootstrap", live[0].listen]
+        args += extra or []
+        log_path = data_dir / "meshd.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+        peer = LocalPeer(index, process, data_dir, log_path, ready)
+        self.peers.append(peer)
+        if wait:
+            self._wait_ready(peer, timeout)
+        return peer
+
+    def _wait_ready(self, peer: LocalPeer, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not peer.ready_file.exists():
+            if peer.process.poll() is not None:
+                raise LocalMeshError(f"peer{peer.index} exited with {peer.process.returncode}:\n{peer.log_tail()}")
+            if time.monotonic() > deadline:
+                raise LocalMeshError(f"peer{peer.index} not ready after {timeout:.0f}s:\n{peer.log_tail()}")
+            time.sleep(0.05)
+        peer.status = json.loads(peer.ready_file.read_text())
+
+    def start_peers(self, specs: list[dict], timeout: float = 90.0) -> list[LocalPeer]:
+        """Start peers from keyword dicts (as for :meth:`start_peer`): the first alone, the rest together."""
+        if not specs:
+            return []
+        first = self.start_peer(**specs[0], timeout=timeout) if not self.live() else None
+        rest = specs[1:] if first is not None else specs
+        pending = [self.start_peer(**spec, timeout=timeout, wait=False) for spec in rest]
+        for peer in pending:
+            self._wait_ready(peer, timeout)
+        return ([first] if first is not None else []) + pending
+
+    def live(self) -> list[LocalPeer]:
+        return [p for p in self.peers if p.process.poll() is None]
+
+    def wait_until(self, predicate, timeout: float, what: str, interval: float = 0.2):
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                result = predicate()
+                if result:
+                    return result
+            except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
+                last_error = exc
+            time.sleep(interval)
+        logs = "\n".join(f"--- peer{p.index}\n{p.log_tail(15)}" for p in self.peers)
+        raise LocalMeshError(f"timed out after {timeout:.0f}s waiting for {what} ({last_error})\n{logs}")
+
+    def wait_covered(self, model_id: str, timeout: float = 60.0) -> None:
+        """Until every live peer sees ``model_id`` completely covered and knows every live peer."""
+        live = self.live()
+
+        def done() -> bool:
+            for p in live:
+                status = p.get("/status")
+                if model_id not in status["models_covered"] or len(p.get("/peers")["peers"]) < len(live):
+                    return False
+            return True
+
+        self.wait_until(done, timeout, f"{model_id} to be covered")
+
+    def kill(self, peer: LocalPeer, sig: int = signal.SIGKILL) -> None:
+        if peer.process.poll() is None:
+            peer.process.send_signal(sig)
+
+    def stop(self, grace: float = 10.0) -> dict[int, float]:
+        """SIGTERM every running peer, then wait; returns each peer's exit time in seconds."""
+        started = time.monotonic()
+        for peer in self.live():
+            peer.process.send_signal(signal.SIGTERM)
+        exit_times: dict[int, float] = {}
+        for peer in self.peers:
+            remaining = max(0.1, grace - (time.monotonic() - started))
+            try:
+                peer.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                peer.process.kill()
+                peer.process.wait(timeout=5)
+            exit_times[peer.index] = time.monotonic() - started
+        return exit_times

@@ -1,0 +1,585 @@
+"""One meshd peer: identity, transport, gossip, election, tracker duties, shard, sessions and APIs.
+
+``Peer.run`` is the root of the daemon's nursery tree. The sans-IO state machines (gossip node,
+election) are driven here by a clock tick and by messages from the transport; their actions become
+transport requests. Everything a peer knows about others comes from verified capability cards.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import trio
+from nacl.signing import SigningKey
+
+from meshd import __version__
+from meshd.api.openai_server import build_app, serve_asgi
+from meshd.daemon.backend import MeshBackend
+from meshd.daemon.config import PeerConfig
+from meshd.daemon.control import build_control_app
+from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged
+from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip.events import Address as SeedAddress
+from meshd.identity import Identity
+from meshd.runtime.host import ShardHost
+from meshd.runtime.model_info import ModelInfo, compat_key_of, describe_model, read_small_files, tokenizer_digest_of
+from meshd.session import messages as seam
+from meshd.session.hop import HopService
+from meshd.tracker.placement import place
+from meshd.tracker.routing import NoRouteError, plan_route
+from meshd.tracker.view import Route, ShardOffer
+from meshd.transport import Transport
+from meshd.wire import card_pb2 as cpb
+
+log = logging.getLogger("meshd.peer")
+
+TICK_S = 0.1
+GOSSIP_PATH = "/meshd/gossip"
+ROUTE_PATH = "/meshd/route"
+PLACE_PATH = "/meshd/place"
+TOKENIZER_PATH = "/meshd/tokenizer"
+ROUTE_ASK_TIMEOUT_S = 2.0
+PLACEMENT_RETRY_S = 30.0
+
+
+@dataclass
+class TokenizerEntry:
+    tokenizer: object
+    context_length: int
+
+
+class Peer:
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.load_or_create(config.data_dir)
+        self.signing_key = SigningKey(self.identity.seed)
+        self.peer_id = self.identity.peer_id
+        self.started_at = time.time()
+        self.model: ModelInfo | None = None
+        self.host: ShardHost | None = None
+        if config.model is not None:
+            self.model = describe_model(config.model, config.model_id or None)
+            self.host = ShardHost(config.model, max_chunk_tokens=max(512, config.chunk_tokens),
+                                  kv_budget_bytes=config.kv_budget)
+        self.decode_tok_s = 0.0
+        self.transport = Transport(self.identity)
+        self.gossip = GossipNode.with_key(
+            self.signing_key, self._card_template(),
+            GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
+                         suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s),
+            rng=random.Random(),
+            card_ttl_ms=int(config.card_ttl_s * 1000),
+        )
+        for address in config.bootstrap:
+            self.gossip.add_seed(address)
+        lease = config.lease_duration_s
+        self.election = Election(
+            self.peer_id, config.tracker_eligible,
+            ElectionConfig(lease_duration=lease, renew_interval=lease / 3, jitter_step=lease / 6,
+                           max_jitter=lease / 2),
+            signing_key=self.signing_key,
+        )
+        self.hops = HopService(self.peer_id, self.transport, self.host,
+                               self.model.model_id if self.model else None,
+                               self.model.compat_key if self.model else None)
+        self.rtt_ms: dict[str, float] = {}
+        self.last_seen: dict[str, float] = {}
+        self.api_port: int | None = None
+        self.control_port: int | None = None
+        self.listen_port: int | None = None
+        self._tokenizers: dict[str, TokenizerEntry] = {}
+        self._placement_orders: dict[str, tuple[tuple[int, int], float]] = {}
+        self._epochs = itertools.count(1)
+        self._load_started = False
+        self.sessions_nursery: trio.Nursery | None = None
+        self.ready = trio.Event()
+
+    # -- card --------------------------------------------------------------------------------------
+
+    def _card_template(self) -> cpb.CapabilityCard:
+        cfg = self.config
+        card = cpb.CapabilityCard(
+            name=cfg.name or self.peer_id[:8],
+            addresses=[cfg.advertised],
+            api_address=cfg.api,
+            hardware=cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu",
+                                  cpu_count=os.cpu_count() or 1),
+            tracker_eligible=cfg.tracker_eligible,
+            software_version=__version__,
+            memory_budget_bytes=cfg.memory_budget,
+        )
+        if self.model is not None:
+            start, end = (self.host.range if self.host and self.host.range else (cfg.layers or (0, 0)))
+            card.models.append(cpb.ModelServed(
+                model_id=self.model.model_id, compat_key=self.model.compat_key, n_layers=self.model.n_layers,
+                range_start=start, range_end=end if self.host and self.host.range else 0,
+                decode_tok_s=self.decode_tok_s, pinned=cfg.layers is not None,
+                layer_bytes=self.model.layer_bytes, edge_bytes=self.model.edge_bytes,
+                context_length=self._context_length_local(),
+            ))
+        if self.host is not None:
+            card.load.CopyFrom(cpb.Load(active_sessions=self.host.active_sessions, queued=0))
+            card.kv_free_bytes = self.host.kv_free_bytes
+        return card
+
+    def _context_length_local(self) -> int:
+        doc = json.loads((self.config.model / "config.json").read_text())
+        return int(doc.get("max_position_embeddings", 2048))
+
+    def republish_card(self) -> None:
+        self.gossip.issuer.template = self._card_template()
+        self.gossip.republish(time.time())
+
+    # -- views -------------------------------------------------------------------------------------
+
+    def offers(self) -> list[ShardOffer]:
+        """Every model offer in the live view (including this peer's), for placement and routing."""
+        out = []
+        for peer_id, card in self.gossip.live_cards().items():
+            c = card.card
+            relayed = not c.addresses
+            for m in c.models:
+                placed = m.range_end > m.range_start
+                layers = (m.range_end - m.range_start) if placed else m.n_layers
+                ms_per_layer = 1000.0 / (m.decode_tok_s * layers) if m.decode_tok_s > 0 and layers else 1.0
+                out.append(ShardOffer(
+                    peer_id=peer_id, model_id=m.model_id, compat_key=m.compat_key, n_layers=m.n_layers,
+                    layer_bytes=m.layer_bytes, edge_bytes=m.edge_bytes,
+                    memory_budget_bytes=c.memory_budget_bytes,
+                    range=(m.range_start, m.range_end) if placed else None,
+                    ms_per_layer=ms_per_layer, active_sessions=c.load.active_sessions, queued=c.load.queued,
+                    relayed=relayed,
+                ))
+        return out
+
+    def known_models(self) -> set[str]:
+        return {o.model_id for o in self.offers()}
+
+    def covered_models(self) -> list[str]:
+        covered = []
+        for model_id in sorted(self.known_models()):
+            try:
+                plan_route(model_id, self.offers(), self._rtt_of)
+            except NoRouteError:
+                continue
+            covered.append(model_id)
+        return covered
+
+    def context_length(self, model_id: str) -> int:
+        for card in self.gossip.live_cards().values():
+            for m in card.card.models:
+                if m.model_id == model_id and m.context_length:
+                    return m.context_length
+        return 2048
+
+    def _rtt_of(self, peer_id: str) -> float:
+        return 0.0 if peer_id == self.peer_id else self.rtt_ms.get(peer_id, 1.0)
+
+    def _address_of(self, peer_id: str) -> str | None:
+        card = self.gossip.live_cards().get(peer_id)
+        if card is None or not card.card.addresses:
+            return None
+        return card.card.addresses[0]
+
+    # -- routes ------------------------------------------------------------------------------------
+
+    async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[Route, dict, str]:
+        """A route from the tracker, or planned locally when no tracker answers in time."""
+        now = time.time()
+        tracker = self.election.tracker(now)
+        route = None
+        source = "local"
+        if tracker is not None and tracker != self.peer_id and self._address_of(tracker):
+            body = json.dumps({"model": model_id, "exclude": sorted(exclude)}).encode()
+            try:
+                with trio.fail_after(ROUTE_ASK_TIMEOUT_S):
+                    reply = await self.transport.request(tracker, seam.split_address(self._address_of(tracker)),
+                                                         ROUTE_PATH, body)
+                route = _route_from_json(json.loads(reply))
+                source = f"tracker {tracker[:12]}"
+            except NoRouteError:
+                raise
+            except Exception as exc:
+                log.info("tracker %s gave no route (%s); planning locally", tracker[:12], exc)
+        elif tracker == self.peer_id:
+            source = "tracker (self)"
+        if route is None:
+            route = plan_route(model_id, self.offers(), self._rtt_of, epoch=next(self._epochs), exclude=exclude)
+        addresses = {}
+        for hop in route.hops:
+            address = self._address_of(hop.peer_id)
+            if address is None:
+                raise NoRouteError(model_id, [(hop.start, hop.end)])
+            addresses[hop.peer_id] = address
+        return route, addresses, source
+
+    # -- tokenizers --------------------------------------------------------------------------------
+
+    async def tokenizer_for(self, model_id: str, compat_key: str):
+        entry = self._tokenizers.get(compat_key)
+        if entry is not None:
+            return entry.tokenizer
+        from transformers import AutoTokenizer
+
+        if self.model is not None and self.model.compat_key == compat_key:
+            tok = await trio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(self.model.model_dir))
+        else:
+            tok = await self._fetch_tokenizer(model_id, compat_key)
+        self._tokenizers[compat_key] = TokenizerEntry(tok, self.context_length(model_id))
+        return tok
+
+    async def _fetch_tokenizer(self, model_id: str, compat_key: str):
+        from transformers import AutoTokenizer
+
+        servers = [o.peer_id for o in self.offers() if o.compat_key == compat_key and o.peer_id != self.peer_id]
+        last_error: Exception | None = None
+        for peer_id in servers:
+            address = self._address_of(peer_id)
+            if address is None:
+                continue
+            try:
+                with trio.fail_after(10):
+                    reply = json.loads(await self.transport.request(
+                        peer_id, seam.split_address(address), TOKENIZER_PATH,
+                        json.dumps({"model": model_id}).encode()))
+                files = {name: base64.b64decode(data) for name, data in reply["files"].items()}
+                got = compat_key_of(reply["architecture"], tokenizer_digest_of(files), reply["weights_digest"])
+                if got != compat_key:
+                    raise ValueError(f"files from {peer_id[:12]} hash to compat key {got}, expected {compat_key}")
+                target = Path(tempfile.mkdtemp(prefix=f"tokenizer-{compat_key[:8]}-", dir=self.config.data_dir))
+                for name, data in files.items():
+                    (target / name).write_bytes(data)
+                log.info("fetched tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
+                return await trio.to_thread.run_sync(lambda t=target: AutoTokenizer.from_pretrained(t))
+            except Exception as exc:
+                last_error = exc
+                log.warning("tokenizer fetch from %s failed: %s", peer_id[:12], exc)
+        raise NoRouteError(model_id, []) from last_error
+
+    # -- incoming streams --------------------------------------------------------------------------
+
+    async def handle_stream(self, stream) -> None:
+        path = stream.path
+        if path == seam.SEAM_PATH:
+            await self.hops.handle_seam(stream)
+        elif path == seam.RESULTS_PATH:
+            await self.hops.handle_results(stream)
+        elif path in (GOSSIP_PATH, ROUTE_PATH, PLACE_PATH, TOKENIZER_PATH):
+            await self._handle_unary(stream)
+        else:
+            await stream.reset()
+
+    async def _handle_unary(self, stream) -> None:
+        body = await stream.receive_message()
+        if body is None:
+            await stream.aclose()
+            return
+        path, sender = stream.path, stream.peer_id
+        self.last_seen[sender] = time.time()
+        reply = b""
+        try:
+            if path == GOSSIP_PATH:
+                msg = cpb.GossipMessage()
+                msg.ParseFromString(body)
+                await self._perform(self.gossip.on_message(sender, msg, time.time()))
+            elif path == ROUTE_PATH:
+                reply = self._serve_route(json.loads(body))
+            elif path == PLACE_PATH:
+                reply = await self._accept_placement(sender, json.loads(body))
+            elif path == TOKENIZER_PATH:
+                reply = self._serve_tokenizer(json.loads(body))
+        except Exception as exc:
+            log.warning("%s from %s rejected: %s", path, sender[:12], exc)
+            reply = json.dumps({"error": str(exc)}).encode()
+        await stream.send_message(reply)
+        await stream.end()
+
+    def _serve_route(self, req: dict) -> bytes:
+        model_id = str(req["model"])
+        try:
+            route = plan_route(model_id, self.offers(), self._rtt_of, epoch=next(self._epochs),
+                               exclude=frozenset(req.get("exclude", [])))
+        except NoRouteError as exc:
+            return json.dumps({"error": str(exc), "missing": exc.missing}).encode()
+        return json.dumps(_route_to_json(route)).encode()
+
+    def _serve_tokenizer(self, req: dict) -> bytes:
+        if self.model is None or req.get("model") != self.model.model_id:
+            raise ValueError(f"this peer does not serve {req.get('model')!r}")
+        files = read_small_files(self.model.model_dir)
+        return json.dumps({
+            "files": {n: base64.b64encode(d).decode() for n, d in files.items()},
+            "architecture": self.model.architecture, "weights_digest": self.model.weights_digest,
+        }).encode()
+
+    async def _accept_placement(self, sender: str, order: dict) -> bytes:
+        tracker = self.election.tracker(time.time())
+        if sender != tracker:
+            raise PermissionError(f"placement from {sender[:12]}, but the tracker is {str(tracker)[:12]}")
+        if self.model is None or order.get("model") != self.model.model_id:
+            raise ValueError("placement for a model this peer does not offer")
+        if order.get("compat_key") != self.model.compat_key:
+            raise ValueError("placement for another compat key")
+        start, end = int(order["start"]), int(order["end"])
+        if not 0 <= start < end <= self.model.n_layers:
+            raise ValueError(f"placement range [{start}, {end}) is outside the model")
+        if not self._load_started:
+            self._load_started = True
+            log.info("tracker %s placed layers [%d, %d) here", sender[:12], start, end)
+            self._nursery.start_soon(self._load, start, end)
+        return json.dumps({"ok": True}).encode()
+
+    async def _load(self, start: int, end: int) -> None:
+        await self.host.load(start, end)
+        self.decode_tok_s = await trio.to_thread.run_sync(_measure_decode, self.host)
+        self.republish_card()
+
+    # -- gossip I/O --------------------------------------------------------------------------------
+
+    async def _perform(self, actions) -> None:
+        now = time.time()
+        for action in actions:
+            if isinstance(action, Send):
+                self._nursery.start_soon(self._deliver, action)
+            elif isinstance(action, LeaseReceived):
+                await self._perform(self.election.on_lease(action.signed, now))
+            elif isinstance(action, BroadcastLease):
+                self.gossip.publish_lease(action.signed, now)
+            elif isinstance(action, TrackerChanged):
+                log.info("tracker is now %s (term %d)", str(action.new)[:12], action.term)
+            elif isinstance(action, MemberChanged):
+                log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
+
+    async def _deliver(self, send: Send) -> None:
+        if isinstance(send.to, SeedAddress):
+            peer_id, address = None, send.to.host_port
+        else:
+            peer_id, address = send.to, self._address_of(send.to)
+        if address is None:
+            return
+        started = time.monotonic()
+        try:
+            with trio.fail_after(max(1.0, self.config.probe_timeout_s * 2)):
+                await self.transport.request(peer_id, seam.split_address(address), GOSSIP_PATH,
+                                             send.message.SerializeToString())
+        except Exception as exc:
+            log.debug("gossip to %s failed: %s", address, exc)
+            return
+        if peer_id is not None:
+            elapsed = (time.monotonic() - started) * 1000
+            prev = self.rtt_ms.get(peer_id)
+            self.rtt_ms[peer_id] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
+            self.last_seen[peer_id] = time.time()
+
+    async def _tick_loop(self) -> None:
+        last_card = 0.0
+        while True:
+            now = time.time()
+            await self._perform(self.gossip.tick(now))
+            alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
+            self.election.eligible = self.config.tracker_eligible and self._joined(now)
+            await self._perform(self.election.tick(now, alive_eligible))
+            if self.election.tracker(now) == self.peer_id:
+                self._tracker_duties(now)
+            if self.host is not None and now - last_card > 2.0:
+                last_card = now
+                if self._card_changed():
+                    self.republish_card()
+            await trio.sleep(TICK_S)
+
+    def _joined(self, now: float) -> bool:
+        """A peer started with bootstrap addresses claims nothing until it has met the mesh (or given up
+        waiting), so that it does not elect itself and place its own layers in isolation."""
+        if not self.config.bootstrap:
+            return True
+        if any(state == MemberState.ALIVE for state in self.gossip.members().values()):
+            return True
+        return now - self.started_at > 2 * self.config.lease_duration_s
+
+    def _card_changed(self) -> bool:
+        own = self.gossip.store.get(self.peer_id)
+        if own is None:
+            return True
+        fresh = self._card_template()
+        return (own.card.load.active_sessions != fresh.load.active_sessions
+                or list(own.card.models) != list(fresh.models))
+
+    def _tracker_duties(self, now: float) -> None:
+        by_model: dict[tuple[str, str], list[ShardOffer]] = {}
+        for offer in self.offers():
+            by_model.setdefault((offer.model_id, offer.compat_key), []).append(offer)
+        for (model_id, compat_key), offers in by_model.items():
+            waiting = [o for o in offers if o.range is None and not self._recently_ordered(o.peer_id, now)]
+            if not waiting:
+                continue
+            pending = {p: r for p, (r, _t) in self._placement_orders.items()}
+            view = [o if o.range is not None or o.peer_id not in pending else
+                    ShardOffer(**{**o.__dict__, "range": pending[o.peer_id]}) for o in offers]
+            for peer_id, (start, end) in place(view).items():
+                self._placement_orders[peer_id] = ((start, end), now)
+                self._nursery.start_soon(self._send_placement, peer_id, model_id, compat_key, start, end)
+
+    def _recently_ordered(self, peer_id: str, now: float) -> bool:
+        order = self._placement_orders.get(peer_id)
+        return order is not None and now - order[1] < PLACEMENT_RETRY_S
+
+    async def _send_placement(self, peer_id: str, model_id: str, compat_key: str, start: int, end: int) -> None:
+        address = self._address_of(peer_id)
+        if address is None:
+            return
+        body = json.dumps({"model": model_id, "compat_key": compat_key, "start": start, "end": end}).encode()
+        try:
+            with trio.fail_after(5):
+                reply = json.loads(await self.transport.request(peer_id, seam.split_address(address), PLACE_PATH,
+                                                                body))
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+            log.info("placed layers [%d, %d) of %s on %s", start, end, model_id, peer_id[:12])
+        except Exception as exc:
+            log.warning("placement on %s failed: %s", peer_id[:12], exc)
+
+    # -- status for meshctl ------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        now = time.time()
+        tracker = self.election.tracker(now)
+        return {
+            "peer_id": self.peer_id, "name": self.config.name or self.peer_id[:8], "version": __version__,
+            "listen": self.config.advertised, "api": f"{_host(self.config.api)}:{self.api_port}",
+            "control": f"{_host(self.config.control)}:{self.control_port}",
+            "tracker": tracker, "tracker_term": self.election.term(now), "is_tracker": tracker == self.peer_id,
+            "model": self.model.model_id if self.model else None,
+            "compat_key": self.model.compat_key if self.model else None,
+            "range": list(self.host.range) if self.host and self.host.range else None,
+            "active_sessions": self.host.active_sessions if self.host else 0,
+            "decode_tok_s": round(self.decode_tok_s, 2),
+            "members": {p: s.name for p, s in self.gossip.members().items()},
+            "models_covered": self.covered_models(),
+            "rejected_cards": {str(k): v for k, v in self.gossip.rejected_cards.items()},
+            "uptime_s": round(now - self.started_at, 1),
+        }
+
+    def peers_table(self) -> list[dict]:
+        now = time.time()
+        tracker = self.election.tracker(now)
+        members = self.gossip.members()
+        rows = []
+        for peer_id, card in sorted(self.gossip.live_cards().items()):
+            c = card.card
+            rows.append({
+                "peer_id": peer_id, "self": peer_id == self.peer_id, "name": c.name,
+                "addresses": list(c.addresses), "relays": list(c.relay_addresses), "api": c.api_address,
+                "tracker": peer_id == tracker,
+                "state": "self" if peer_id == self.peer_id else members.get(peer_id, MemberState.ALIVE).name,
+                "models": [{"model_id": m.model_id, "start": m.range_start, "end": m.range_end,
+                            "n_layers": m.n_layers, "compat_key": m.compat_key,
+                            "decode_tok_s": round(m.decode_tok_s, 2)} for m in c.models],
+                "active_sessions": c.load.active_sessions, "queued": c.load.queued,
+                "rtt_ms": None if peer_id == self.peer_id else self.rtt_ms.get(peer_id),
+                "last_seen_s": None if peer_id not in self.last_seen else round(now - self.last_seen[peer_id], 2),
+                "card_age_s": round(now - c.issued_at_ms / 1000, 2), "sequence": c.sequence,
+            })
+        return rows
+
+    # -- run ---------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        async with self.transport, trio.open_nursery() as nursery:
+            self._nursery = nursery
+            host, port = seam.split_address(cfg.listen)
+            self.listen_port = await nursery.start(self.transport.serve, host, port, self.handle_stream)
+            if port == 0:
+                cfg.advertise = f"{_host(cfg.advertised)}:{self.listen_port}"
+            async with trio.open_nursery() as sessions:
+                self.sessions_nursery = sessions
+                api_host, api_port = seam.split_address(cfg.api)
+                self.api_port = await nursery.start(serve_asgi, build_app(MeshBackend(self)), api_host, api_port,
+                                                    "meshd.api.http")
+                cfg.api = f"{api_host}:{self.api_port}"
+                ctl_host, ctl_port = seam.split_address(cfg.control)
+                self.control_port = await nursery.start(serve_asgi, build_control_app(self), ctl_host, ctl_port,
+                                                        "meshd.control.http")
+                self.republish_card()
+                if self.host is not None and cfg.layers is not None:
+                    self._load_started = True
+                    nursery.start_soon(self._load, *cfg.layers)
+                nursery.start_soon(self._tick_loop)
+                log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, cfg.advertised,
+                         cfg.api, f"{ctl_host}:{self.control_port}")
+                self.ready.set()
+                if cfg.ready_file is not None:
+                    _write_atomically(cfg.ready_file, json.dumps(self.status()))
+                task_status.started(self)
+                await trio.sleep_forever()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _host(address: str) -> str:
+    return seam.split_address(address)[0]
+
+
+def _route_to_json(route: Route) -> dict:
+    return {"model": route.model_id, "compat_key": route.compat_key, "epoch": route.epoch,
+            "cost_ms": route.cost_ms, "hops": [[h.peer_id, h.start, h.end] for h in route.hops],
+            "terms": list(route.terms)}
+
+
+def _route_from_json(doc: dict) -> Route:
+    from meshd.tracker.view import Hop
+
+    if "error" in doc:
+        raise NoRouteError(doc.get("model", ""), [tuple(r) for r in doc.get("missing", [])])
+    return Route(model_id=doc["model"], compat_key=doc["compat_key"], epoch=int(doc["epoch"]),
+                 cost_ms=float(doc["cost_ms"]), hops=tuple(Hop(p, int(s), int(e)) for p, s, e in doc["hops"]),
+                 terms=tuple(doc.get("terms", [])))
+
+
+def _measure_decode(host: ShardHost) -> float:
+    """Decode tokens/s of this shard alone, from a few steps of a throw-away session."""
+    import torch
+
+    from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS
+    from meshd.wire.bundle import HiddenStateBundle, Phase
+
+    shard = host.shard
+    spec = shard.spec
+    session = f"speed-probe-{os.getpid()}"
+    steps = 8
+
+    def bundle(pos: int, n: int) -> HiddenStateBundle:
+        tensors = ({INPUT_IDS: torch.zeros(n, dtype=torch.long)} if spec.is_head
+                   else {HIDDEN_STATES: torch.zeros(n, spec.hidden_size)})
+        return HiddenStateBundle(session_id=session, epoch=0, phase=Phase.PREFILL if pos == 0 else Phase.DECODE,
+                                 start_position=pos, token_count=n, tensors=tensors, range_start=spec.start,
+                                 range_end=spec.end, sample=True)
+
+    try:
+        shard.forward(bundle(0, 8))
+        for i in range(2):
+            shard.forward(bundle(8 + i, 1))
+        timings = []
+        for i in range(steps):
+            started = time.perf_counter()
+            shard.forward(bundle(10 + i, 1))
+            timings.append(time.perf_counter() - started)
+        elapsed = sorted(timings)[len(timings) // 2] * steps
+    finally:
+        shard.release(session, 0)
+    return steps / elapsed if elapsed > 0 else 0.0

@@ -1,0 +1,77 @@
+"""Tracker leases: a signed claim "peer P is tracker for term T until time E".
+
+Leases carry the holder's public key, so they verify without a card lookup, exactly like cards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+from nacl.signing import SigningKey
+
+from meshd.cards.keys import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, peer_id_from_public_key, sign, signature_valid
+from meshd.errors import MeshError
+from meshd.wire import card_pb2 as pb
+
+
+class LeaseRejected(MeshError):
+    """A lease failed verification (malformed, key not matching peer id, or bad signature)."""
+
+    code = "lease_rejected"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"lease rejected: {reason}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A verified lease and the signed bytes it came from."""
+
+    peer_id: str
+    term: int
+    issued_at_ms: int
+    expires_at_ms: int
+    signed: pb.SignedLease
+
+    def valid_at(self, now_ms: int) -> bool:
+        return self.expires_at_ms > now_ms
+
+    def rank(self) -> tuple[int, str]:
+        """Sort key of precedence: higher term first, then the lowest peer id."""
+        return (-self.term, self.peer_id)
+
+
+def sign_lease(signing_key: SigningKey, term: int, issued_at_ms: int, expires_at_ms: int) -> pb.SignedLease:
+    public_key = bytes(signing_key.verify_key)
+    lease = pb.TrackerLease(peer_id=peer_id_from_public_key(public_key), term=term, issued_at_ms=issued_at_ms,
+                            expires_at_ms=expires_at_ms, public_key=public_key)
+    payload = lease.SerializeToString(deterministic=True)
+    return pb.SignedLease(lease=payload, signature=sign(signing_key, payload))
+
+
+def verify_lease(signed: pb.SignedLease | bytes) -> Lease:
+    """Check form, key and signature; expiry is the caller's business (expired leases still carry a term)."""
+    if not isinstance(signed, pb.SignedLease):
+        raw = signed
+        signed = pb.SignedLease()
+        try:
+            signed.ParseFromString(bytes(raw))
+        except DecodeError as exc:
+            raise LeaseRejected("malformed") from exc
+    lease = pb.TrackerLease()
+    try:
+        lease.ParseFromString(signed.lease)
+    except DecodeError as exc:
+        raise LeaseRejected("malformed") from exc
+    if (not lease.peer_id or lease.term == 0 or len(lease.public_key) != PUBLIC_KEY_BYTES
+            or len(signed.signature) != SIGNATURE_BYTES or lease.expires_at_ms <= lease.issued_at_ms):
+        raise LeaseRejected("malformed")
+    if peer_id_from_public_key(lease.public_key) != lease.peer_id:
+        raise LeaseRejected("key_mismatch")
+    if not signature_valid(lease.public_key, signed.lease, signed.signature):
+        raise LeaseRejected("bad_signature")
+    return Lease(peer_id=lease.peer_id, term=lease.term, issued_at_ms=lease.issued_at_ms,
+                 expires_at_ms=lease.expires_at_ms,
+                 signed=pb.SignedLease(lease=signed.lease, signature=signed.signature))

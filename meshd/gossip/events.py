@@ -1,0 +1,47 @@
+"""What a :class:`~meshd.gossip.node.GossipNode` asks its host to do, and what it reports."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from meshd.wire import card_pb2 as pb
+
+
+class MemberState(enum.IntEnum):
+    ALIVE = pb.ALIVE
+    SUSPECT = pb.SUSPECT
+    DEAD = pb.DEAD
+    LEFT = pb.LEFT
+
+
+@dataclass(frozen=True)
+class Address:
+    """A "host:port" to dial when no peer id is known yet (seeds)."""
+
+    host_port: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Deliver ``message`` to a peer (by id; the host resolves it from the peer's card) or an address."""
+
+    to: str | Address
+    message: pb.GossipMessage
+
+
+@dataclass(frozen=True)
+class MemberChanged:
+    peer_id: str
+    old: MemberState | None
+    new: MemberState
+
+
+@dataclass(frozen=True)
+class LeaseReceived:
+    """A new, well-signed tracker lease arrived; hand it to the election."""
+
+    signed: pb.SignedLease
+
+
+Action = Send | MemberChanged | LeaseReceived

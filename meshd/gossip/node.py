@@ -1,0 +1,479 @@
+"""SWIM-style membership, failure detection and card dissemination, as a sans-IO state machine.
+
+The node never touches a socket or a clock: the host feeds it messages and the current time and
+performs the :mod:`~meshd.gossip.events` actions it returns.
+
+Failure detection. Every ``probe_interval`` the node pings the next member of a shuffled
+round-robin. Without an Ack within ``probe_timeout`` it asks ``indirect_probes`` other members to
+ping the target for it (so one bad link does not condemn a healthy peer). Without any Ack by the
+end of the interval the target becomes SUSPECT; a suspicion not refuted within ``suspect_timeout``
+makes it DEAD. A peer refutes by issuing a card with a higher sequence: the card sequence is the
+SWIM incarnation, and since only the peer can sign its card, nobody else can refute for it.
+
+Dissemination. State changes and new cards ride on every outgoing message ("piggyback"), each
+about ``retransmit_mult * ceil(log10(n + 1))`` times; every ``pushpull_interval`` the node also
+swaps digests with ``fanout`` random members and sends each side the cards the other lacks
+(anti-entropy), which repairs whatever piggybacking missed. Leases travel the same way.
+
+Time to DEAD everywhere. Each period a live target is probed by every other member in turn, so
+with ``n`` members a silent peer goes undetected for ``p`` periods with probability about
+``exp(-p)``. With high probability it is DEAD at every member within :func:`dead_everywhere_bound`::
+
+    (ceil(ln n) + 2) * probe_interval              first suspicion
+  + suspect_timeout                                 unrefuted suspicion
+  + (ceil(log2 n) + 2) * min(probe_interval, pushpull_interval)   spread of the verdict
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from nacl.signing import SigningKey
+
+from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectReason, peek_peer_id, verify_card
+from meshd.election.lease import Lease, LeaseRejected, verify_lease
+from meshd.gossip.events import Action, Address, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.wire import card_pb2 as pb
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    probe_interval: float = 1.0
+    probe_timeout: float = 0.3
+    indirect_probes: int = 3
+    suspect_timeout: float = 5.0
+    pushpull_interval: float = 2.0
+    fanout: int = 1
+    retransmit_mult: int = 4
+    max_piggyback: int = 8
+    seed_retry_interval: float = 2.0
+    tombstone_retention: float = 300.0  # how long DEAD/LEFT peers stay in the digest
+
+    def __post_init__(self) -> None:
+        if not 0 < self.probe_timeout < self.probe_interval:
+            raise ValueError("probe_timeout must be positive and shorter than probe_interval")
+        if self.indirect_probes < 0 or self.fanout < 1 or self.max_piggyback < 0:
+            raise ValueError("indirect_probes >= 0, fanout >= 1 and max_piggyback >= 0 required")
+
+
+def dead_everywhere_bound(config: GossipConfig, n_members: int) -> float:
+    """High-probability bound from a peer going silent to DEAD at every member (see module doc)."""
+    detect = (math.ceil(math.log(max(n_members, 2))) + 2) * config.probe_interval
+    spread = (math.ceil(math.log2(max(n_members, 2))) + 2) * min(config.probe_interval, config.pushpull_interval)
+    return detect + config.suspect_timeout + spread
+
+
+@dataclass
+class Member:
+    peer_id: str
+    state: MemberState
+    incarnation: int  # the card sequence this state refers to
+    since: float      # when this node saw the state begin
+
+
+@dataclass
+class _Probe:
+    target: str
+    seq: int
+    started: float
+    indirect_sent: bool = False
+
+
+@dataclass
+class _Relay:
+    requester: str
+    seq: int
+    target: str
+    started: float
+
+
+@dataclass
+class _Broadcast:
+    remaining: int
+    digest: pb.MemberDigest | None = None
+    card: pb.SignedCard | None = None
+    lease: pb.SignedLease | None = None
+
+
+_GONE = (MemberState.DEAD, MemberState.LEFT)
+_STATE_VALUES = frozenset(int(s) for s in MemberState)
+
+
+def _ms(now: float) -> int:
+    return round(now * 1000)
+
+
+class GossipNode:
+    def __init__(self, self_id: str, config: GossipConfig | None = None, rng: random.Random | None = None,
+                 issuer: CardIssuer | None = None) -> None:
+        if issuer is not None and issuer.peer_id != self_id:
+            raise ValueError("card issuer belongs to another peer")
+        self.self_id = self_id
+        self.config = config or GossipConfig()
+        self.rng = rng or random.Random()
+        self.issuer = issuer
+        self.store = CardStore()
+        self.rejected_cards: Counter[RejectReason] = Counter()  # stale echoes count as REPLAYED
+        self._members: dict[str, Member] = {}
+        self._seeds: list[str] = []
+        self._left = False
+        self._seq = 0
+        self._probe: _Probe | None = None
+        self._probe_order: list[str] = []
+        self._relays: dict[int, _Relay] = {}
+        self._next_probe_at = 0.0
+        self._next_pushpull_at = 0.0
+        self._next_seed_at = 0.0
+        self._queue: dict[str, _Broadcast] = {}
+        self._leases: dict[str, Lease] = {}
+
+    @classmethod
+    def with_key(cls, signing_key: SigningKey, template: pb.CapabilityCard | None = None,
+                 config: GossipConfig | None = None, rng: random.Random | None = None,
+                 card_ttl_ms: int = 10 * 60 * 1000) -> GossipNode:
+        issuer = CardIssuer(signing_key, template, ttl_ms=card_ttl_ms)
+        return cls(issuer.peer_id, config, rng, issuer)
+
+    # -- views --------------------------------------------------------------------------------
+
+    def members(self) -> dict[str, MemberState]:
+        """Every other peer this node knows, with its state (DEAD/LEFT until the tombstone ages out)."""
+        return {peer_id: m.state for peer_id, m in self._members.items()}
+
+    def member(self, peer_id: str) -> Member | None:
+        return self._members.get(peer_id)
+
+    def live_cards(self) -> dict[str, Card]:
+        """Cards that routing may use: ALIVE and SUSPECT peers, and this peer; never DEAD or LEFT."""
+        out: dict[str, Card] = {}
+        for peer_id, card in self.store.cards().items():
+            m = self._members.get(peer_id)
+            if peer_id == self.self_id or (m is not None and m.state not in _GONE):
+                out[peer_id] = card
+        return out
+
+    def leases(self) -> list[pb.SignedLease]:
+        return [lease.signed for lease in self._leases.values()]
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def add_seed(self, address: str) -> None:
+        """Dial this address with a push-pull while the node knows no live member."""
+        if address not in self._seeds:
+            self._seeds.append(address)
+
+    def on_card(self, signed: pb.SignedCard, now: float) -> list[Action]:
+        """A card from outside gossip (an invite, a direct handshake); verified like any other."""
+        actions: list[Action] = []
+        self._merge_card(signed, now, actions)
+        return actions
+
+    def republish(self, now: float) -> None:
+        """Issue a fresh own card after the host changed ``issuer.template`` (ranges, load, addresses)."""
+        if self.issuer is not None and not self._left:
+            self._issue_own(now)
+
+    def publish_lease(self, signed: pb.SignedLease, now: float) -> None:
+        """Spread a lease issued by this peer's election."""
+        self._merge_lease(signed, now, [], report=False)
+
+    def leave(self, now: float) -> list[Action]:
+        """Announce a graceful departure; after this the node only answers pings."""
+        self._left = True
+        sequence = self.issuer.sequence if self.issuer else 0
+        message = pb.GossipMessage(leave=pb.Leave(from_peer=self.self_id, sequence=sequence))
+        targets = self._probeable()
+        self.rng.shuffle(targets)
+        count = self.config.fanout + self.config.indirect_probes
+        return [self._send(peer_id, message) for peer_id in targets[:count]]
+
+    def on_message(self, sender: str, msg: pb.GossipMessage, now: float) -> list[Action]:
+        """Handle one message; ``sender`` is the peer id the transport authenticated."""
+        actions: list[Action] = []
+        for card in msg.cards:
+            self._merge_card(card, now, actions)
+        for digest in msg.updates:
+            self._merge_digest(digest, now, actions)
+        for lease in msg.leases:
+            self._merge_lease(lease, now, actions)
+        body = msg.WhichOneof("body")
+        if body == "ping":
+            ack = pb.Ack(seq=msg.ping.seq, from_peer=self.self_id)
+            actions.append(self._send(sender, pb.GossipMessage(ack=ack)))
+        elif body == "ack":
+            self._on_ack(msg.ack, actions)
+        elif body == "ping_req" and not self._left and msg.ping_req.target_peer not in ("", self.self_id):
+            seq = self._next_seq()
+            self._relays[seq] = _Relay(sender, msg.ping_req.seq, msg.ping_req.target_peer, now)
+            ping = pb.Ping(seq=seq, from_peer=self.self_id)
+            actions.append(self._send(msg.ping_req.target_peer, pb.GossipMessage(ping=ping)))
+        elif body == "push_pull":
+            self._on_push_pull(sender, msg.push_pull, now, actions)
+        elif body == "leave" and msg.leave.from_peer == sender:
+            held = self._members.get(sender)
+            incarnation = max(msg.leave.sequence, held.incarnation if held else 0)
+            self._set_state(sender, MemberState.LEFT, incarnation, now, actions)
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if self._left:
+            return actions
+        self._refresh_own_card(now)
+        for peer_id in self.store.sweep(_ms(now)):
+            held = self._members.get(peer_id)
+            if peer_id != self.self_id and held is not None and held.state not in _GONE:
+                self._set_state(peer_id, MemberState.DEAD, held.incarnation, now, actions)
+        self._run_probe(now, actions)
+        for peer_id, m in list(self._members.items()):
+            if m.state == MemberState.SUSPECT and now >= m.since + self.config.suspect_timeout:
+                self._set_state(peer_id, MemberState.DEAD, m.incarnation, now, actions)
+            elif m.state in _GONE and now >= m.since + self.config.tombstone_retention:
+                del self._members[peer_id]
+        for seq in [s for s, r in self._relays.items() if now >= r.started + self.config.probe_interval]:
+            del self._relays[seq]
+        now_ms = _ms(now)
+        for peer_id in [p for p, lease in self._leases.items() if not lease.valid_at(now_ms)]:
+            del self._leases[peer_id]
+        if now >= self._next_pushpull_at:
+            self._next_pushpull_at = now + self.config.pushpull_interval
+            targets = self._probeable()
+            for peer_id in self.rng.sample(targets, min(self.config.fanout, len(targets))):
+                actions.append(self._send(peer_id, self._push_pull_request()))
+        if self._seeds and not self._probeable() and now >= self._next_seed_at:
+            self._next_seed_at = now + self.config.seed_retry_interval
+            for address in self._seeds:
+                actions.append(self._send(Address(address), self._push_pull_request()))
+        return actions
+
+    # -- failure detection ---------------------------------------------------------------------
+
+    def _probeable(self) -> list[str]:
+        return [p for p, m in self._members.items() if m.state not in _GONE and p in self.store]
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _run_probe(self, now: float, actions: list[Action]) -> None:
+        probe = self._probe
+        if probe is not None:
+            if not probe.indirect_sent and now >= probe.started + self.config.probe_timeout:
+                probe.indirect_sent = True
+                helpers = [p for p in self._probeable() if p != probe.target]
+                req = pb.PingReq(seq=probe.seq, target_peer=probe.target, from_peer=self.self_id)
+                for helper in self.rng.sample(helpers, min(self.config.indirect_probes, len(helpers))):
+                    actions.append(self._send(helper, pb.GossipMessage(ping_req=req)))
+            if now >= probe.started + self.config.probe_interval:
+                self._probe = None
+                target = self._members.get(probe.target)
+                if target is not None and target.state == MemberState.ALIVE:
+                    self._set_state(probe.target, MemberState.SUSPECT, target.incarnation, now, actions)
+        if self._probe is None and now >= self._next_probe_at:
+            target_id = self._next_target()
+            if target_id is not None:
+                self._next_probe_at = now + self.config.probe_interval
+                self._probe = _Probe(target_id, self._next_seq(), now)
+                ping = pb.Ping(seq=self._probe.seq, from_peer=self.self_id)
+                actions.append(self._send(target_id, pb.GossipMessage(ping=ping)))
+
+    def _next_target(self) -> str | None:
+        while True:
+            if not self._probe_order:
+                self._probe_order = self._probeable()
+                self.rng.shuffle(self._probe_order)
+                if not self._probe_order:
+                    return None
+            candidate = self._probe_order.pop()
+            m = self._members.get(candidate)
+            if m is not None and m.state not in _GONE and candidate in self.store:
+                return candidate
+
+    def _on_ack(self, ack: pb.Ack, actions: list[Action]) -> None:
+        probe = self._probe
+        if probe is not None and ack.seq == probe.seq and ack.from_peer == probe.target:
+            self._probe = None
+            return
+        relay = self._relays.get(ack.seq)
+        if relay is not None and ack.from_peer == relay.target:
+            del self._relays[ack.seq]
+            forward = pb.Ack(seq=relay.seq, from_peer=relay.target)
+            actions.append(self._send(relay.requester, pb.GossipMessage(ack=forward)))
+
+    # -- state merging -------------------------------------------------------------------------
+
+    def _set_state(self, peer_id: str, state: MemberState, incarnation: int, now: float,
+                   actions: list[Action]) -> None:
+        m = self._members.get(peer_id)
+        old = m.state if m is not None else None
+        if m is None:
+            m = self._members[peer_id] = Member(peer_id, state, incarnation, now)
+        m.state, m.incarnation, m.since = state, max(m.incarnation, incarnation), now
+        if state in _GONE:
+            self.store.remove(peer_id, floor=m.incarnation)
+            if self._probe is not None and self._probe.target == peer_id:
+                self._probe = None
+        if state == MemberState.ALIVE:
+            card = self.store.get(peer_id)
+            if card is not None:
+                self._enqueue(peer_id, card=card.signed)
+        else:
+            self._enqueue(peer_id, digest=pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=int(state)))
+        if old != state:
+            actions.append(MemberChanged(peer_id, old, state))
+
+    def _merge_card(self, signed: pb.SignedCard, now: float, actions: list[Action]) -> None:
+        peer_id = peek_peer_id(signed)
+        if peer_id == self.self_id:
+            self._merge_own_card_echo(signed, now)
+            return
+        try:
+            if not self.store.accept(signed, _ms(now)):
+                return
+        except CardRejected as exc:
+            self.rejected_cards[exc.reason] += 1
+            return
+        card = self.store.get(peer_id)
+        assert card is not None and peer_id is not None
+        m = self._members.get(peer_id)
+        if m is None or card.sequence > m.incarnation:
+            self._set_state(peer_id, MemberState.ALIVE, card.sequence, now, actions)
+        else:
+            self._enqueue(peer_id, card=card.signed)
+
+    def _merge_own_card_echo(self, signed: pb.SignedCard, now: float) -> None:
+        """Someone holds a card of ours newer than we remember (we restarted): jump above it."""
+        if self.issuer is None or self._left:
+            return
+        try:
+            card = verify_card(signed, _ms(now))
+        except CardRejected as exc:
+            self.rejected_cards[exc.reason] += 1
+            return
+        if card.sequence >= self.issuer.sequence:
+            self._issue_own(now, at_least=card.sequence)
+
+    def _merge_digest(self, digest: pb.MemberDigest, now: float, actions: list[Action]) -> None:
+        state = MemberState(digest.state) if digest.state in _STATE_VALUES else None
+        if state is None or state == MemberState.ALIVE:
+            return  # liveness is only ever proven by a signed card
+        if digest.peer_id == self.self_id:
+            if self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence:
+                self._issue_own(now, at_least=digest.sequence)
+            return
+        m = self._members.get(digest.peer_id)
+        if m is None:
+            if state in _GONE:
+                self._members[digest.peer_id] = Member(digest.peer_id, state, digest.sequence, now)
+                self.store.remove(digest.peer_id, floor=digest.sequence)
+                self._enqueue(digest.peer_id, digest=digest)
+            return
+        if digest.sequence < m.incarnation:
+            return
+        if state == MemberState.SUSPECT:
+            if m.state == MemberState.ALIVE:
+                self._set_state(digest.peer_id, state, digest.sequence, now, actions)
+            elif m.state == MemberState.SUSPECT:
+                m.incarnation = digest.sequence
+        elif state == MemberState.DEAD:
+            if m.state not in _GONE:
+                self._set_state(digest.peer_id, state, digest.sequence, now, actions)
+        elif m.state != MemberState.LEFT:
+            self._set_state(digest.peer_id, state, digest.sequence, now, actions)
+
+    def _merge_lease(self, signed: pb.SignedLease, now: float, actions: list[Action], report: bool = True) -> None:
+        try:
+            lease = verify_lease(signed)
+        except LeaseRejected:
+            return
+        if not lease.valid_at(_ms(now)):
+            return
+        held = self._leases.get(lease.peer_id)
+        if held is not None and (lease.term, lease.expires_at_ms) <= (held.term, held.expires_at_ms):
+            return
+        self._leases[lease.peer_id] = lease
+        self._enqueue("lease:" + lease.peer_id, lease=lease.signed)
+        if report:
+            actions.append(LeaseReceived(lease.signed))
+
+    # -- own card ------------------------------------------------------------------------------
+
+    def _refresh_own_card(self, now: float) -> None:
+        if self.issuer is None:
+            return
+        own = self.store.get(self.self_id)
+        if own is None or own.expires_at_ms - _ms(now) < self.issuer.ttl_ms // 2:
+            self._issue_own(now)
+
+    def _issue_own(self, now: float, at_least: int = 0) -> None:
+        """Sign a newer card; it refutes any suspicion about an older sequence."""
+        assert self.issuer is not None
+        signed = self.issuer.issue(_ms(now), at_least=at_least)
+        self.store.accept(signed, _ms(now))
+        self._enqueue(self.self_id, card=signed)
+
+    # -- dissemination -------------------------------------------------------------------------
+
+    def _retransmits(self) -> int:
+        return self.config.retransmit_mult * max(1, math.ceil(math.log10(len(self._members) + 2)))
+
+    def _enqueue(self, key: str, digest: pb.MemberDigest | None = None, card: pb.SignedCard | None = None,
+                 lease: pb.SignedLease | None = None) -> None:
+        self._queue[key] = _Broadcast(self._retransmits(), digest=digest, card=card, lease=lease)
+
+    def _send(self, to: str | Address, body: pb.GossipMessage) -> Send:
+        """Wrap a message with as many pending broadcasts as fit, least-sent first."""
+        message = pb.GossipMessage()
+        message.CopyFrom(body)
+        chosen = sorted(self._queue.items(), key=lambda item: -item[1].remaining)[: self.config.max_piggyback]
+        for key, entry in chosen:
+            if entry.digest is not None:
+                message.updates.append(entry.digest)
+            if entry.card is not None:
+                message.cards.append(entry.card)
+            if entry.lease is not None:
+                message.leases.append(entry.lease)
+            entry.remaining -= 1
+            if entry.remaining <= 0:
+                del self._queue[key]
+        return Send(to, message)
+
+    def _digest(self) -> list[pb.MemberDigest]:
+        own_state = MemberState.LEFT if self._left else MemberState.ALIVE
+        own_seq = self.issuer.sequence if self.issuer else 0
+        out = [pb.MemberDigest(peer_id=self.self_id, sequence=own_seq, state=int(own_state))]
+        for peer_id, m in self._members.items():
+            out.append(pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=int(m.state)))
+        return out
+
+    def _cards_lacking(self, digest: list[pb.MemberDigest] | None) -> list[pb.SignedCard]:
+        have = {d.peer_id: d.sequence for d in digest or []}
+        return [card.signed for peer_id, card in self.live_cards().items()
+                if peer_id not in have or have[peer_id] < card.sequence]
+
+    def _push_pull_request(self) -> pb.GossipMessage:
+        own = self.store.get(self.self_id)
+        request = pb.PushPull(digest=self._digest(), leases=self.leases(), cards=[own.signed] if own else [])
+        return pb.GossipMessage(push_pull=request)
+
+    def _on_push_pull(self, sender: str, pp: pb.PushPull, now: float, actions: list[Action]) -> None:
+        for card in pp.cards:
+            self._merge_card(card, now, actions)
+        for digest in pp.digest:
+            self._merge_digest(digest, now, actions)
+        for lease in pp.leases:
+            self._merge_lease(lease, now, actions)
+        if not pp.reply:
+            reply = pb.PushPull(reply=True, cards=self._cards_lacking(list(pp.digest)), digest=self._digest(),
+                                leases=self.leases())
+            actions.append(self._send(sender, pb.GossipMessage(push_pull=reply)))
+        elif pp.digest:
+            lacking = self._cards_lacking(list(pp.digest))
+            if lacking:
+                actions.append(self._send(sender, pb.GossipMessage(push_pull=pb.PushPull(reply=True, cards=lacking))))
+
+
+__all__ = ["GossipConfig", "GossipNode", "Member", "dead_everywhere_bound"]

@@ -1,0 +1,150 @@
+"""The entry side of a session: open it along a route, feed it, collect its tokens.
+
+The entry opens a results stream to the tail, then the seam to the head; it sends the prompt in
+bounded prefill chunks and then one decode bundle per token; tokens arrive from the tail, errors
+from the head's side of the seam. Every hop releases the session when the entry closes it or goes
+away.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from meshd.errors import MeshError
+from meshd.runtime.chain import input_bundles
+from meshd.session import messages as m
+from meshd.tracker.view import Route
+from meshd.wire import bundle as wire
+from meshd.wire import session_pb2 as pb
+from meshd.wire.bundle import Sampling
+
+log = logging.getLogger("meshd.session")
+
+
+class SessionFailed(MeshError):
+    code = "session_failed"
+
+    def __init__(self, code: str, message: str, peer_id: str = "") -> None:
+        super().__init__(f"{code}: {message}" + (f" (peer {peer_id[:12]})" if peer_id else ""))
+        self.remote_code = code
+        self.peer_id = peer_id
+
+
+@dataclass
+class SessionPlan:
+    route: Route
+    addresses: dict[str, str]   # peer id -> host:port of its transport
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: Sampling
+    eos_token_id: int | None
+    chunk_tokens: int = 128
+    step_timeout_s: float = 30.0
+    session_id: str = ""
+
+
+async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: trio.MemorySendChannel) -> None:
+    """Drive one generation; send each token id to ``out``, then close it. Raises SessionFailed."""
+    route = plan.route
+    session_id = plan.session_id or uuid.uuid4().hex
+    hops = [
+        pb.HopAddress(peer_id=h.peer_id, address=plan.addresses[h.peer_id], range_start=h.start, range_end=h.end)
+        for h in route.hops
+    ]
+
+    def open_for(index: int) -> bytes:
+        return m.open_msg(pb.SessionOpen(
+            session_id=session_id, epoch=route.epoch, model_id=route.model_id, compat_key=route.compat_key,
+            hops=hops, hop_index=index, entry_peer_id=entry_peer_id,
+        ))
+
+    tail, head = hops[-1], hops[0]
+    results = head_stream = None
+    async with out:
+        try:
+            results = await transport.open_stream(tail.peer_id, m.split_address(tail.address), m.RESULTS_PATH)
+            await results.send_message(open_for(len(hops) - 1))
+            with trio.fail_after(plan.step_timeout_s):
+                first = m.parse(await _must_receive(results))
+            _raise_if_error(first)
+            head_stream = await transport.open_stream(head.peer_id, m.split_address(head.address), m.SEAM_PATH)
+            await head_stream.send_message(open_for(0))
+            events_send, events = trio.open_memory_channel(math.inf)
+            error: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_into, results, events_send.clone(), "results")
+                nursery.start_soon(_read_into, head_stream, events_send, "seam")
+                try:
+                    await _generate(plan, session_id, route, head_stream, events, out)
+                except Exception as exc:
+                    error = exc
+                nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
+        finally:
+            for stream in (head_stream, results):
+                if stream is not None:
+                    with trio.move_on_after(2) as scope:
+                        scope.shield = True
+                        try:
+                            if stream is head_stream:
+                                await stream.send_message(m.CLOSE)
+                            await stream.aclose()
+                        except Exception:
+                            pass
+
+
+async def _generate(plan: SessionPlan, session_id: str, route: Route, head_stream, events, out) -> None:
+    head_range = (route.hops[0].start, route.hops[0].end)
+    pending = list(plan.prompt)
+    position = 0
+    for step in range(plan.max_new_tokens):
+        for bundle in input_bundles(session_id, route.epoch, pending, position, plan.chunk_tokens, head_range,
+                                    plan.sampling, step=step):
+            await head_stream.send_message(m.bundle_msg(wire.encode(bundle)))
+        position += len(pending)
+        with trio.fail_after(plan.step_timeout_s):
+            msg = await events.receive()
+        if isinstance(msg, Exception):
+            raise msg
+        _raise_if_error(msg)
+        if msg.WhichOneof("kind") != "token" or msg.token.position != position:
+            raise SessionFailed("protocol", f"expected the token for position {position}, got {msg}")
+        token = int(msg.token.token)
+        await out.send(token)
+        if plan.eos_token_id is not None and token == plan.eos_token_id:
+            return
+        pending = [token]
+
+
+async def _read_into(stream, sink: trio.MemorySendChannel, name: str) -> None:
+    async with sink:
+        try:
+            while True:
+                raw = await stream.receive_message()
+                if raw is None:
+                    await sink.send(SessionFailed("seam_closed", f"{name} stream ended early"))
+                    return
+                await sink.send(m.parse(raw))
+        except MeshError as exc:
+            await sink.send(exc)
+        except Exception as exc:
+            await sink.send(SessionFailed("seam_failed", f"{name} stream: {exc}"))
+
+
+async def _must_receive(stream) -> bytes:
+    raw = await stream.receive_message()
+    if raw is None:
+        raise SessionFailed("seam_closed", "stream ended before the session opened")
+    return raw
+
+
+def _raise_if_error(msg: pb.SeamMessage) -> None:
+    if msg.WhichOneof("kind") == "error":
+        raise SessionFailed(msg.error.code, msg.error.message, msg.error.peer_id)

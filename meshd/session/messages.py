@@ -1,0 +1,54 @@
+"""Build and parse the messages that travel on seam streams."""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from meshd.errors import BundleError, MeshError
+from meshd.wire import session_pb2 as pb
+
+SEAM_PATH = "/meshd/seam"
+RESULTS_PATH = "/meshd/results"
+
+
+def parse(raw: bytes) -> pb.SeamMessage:
+    msg = pb.SeamMessage()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError as exc:
+        raise BundleError(f"seam message does not parse: {exc}") from None
+    if msg.WhichOneof("kind") is None:
+        raise BundleError("seam message carries nothing")
+    return msg
+
+
+def bundle_msg(encoded: bytes) -> bytes:
+    return pb.SeamMessage(bundle=encoded).SerializeToString()
+
+
+def token_msg(position: int, token: int) -> bytes:
+    return pb.SeamMessage(token=pb.TokenResult(position=position, token=token)).SerializeToString()
+
+
+def error_msg(code: str, message: str, peer_id: str) -> bytes:
+    return pb.SeamMessage(error=pb.SessionError(code=code, message=message, peer_id=peer_id)).SerializeToString()
+
+
+def error_from(exc: Exception, peer_id: str) -> bytes:
+    code = exc.code if isinstance(exc, MeshError) else "internal_error"
+    return error_msg(code, str(exc), peer_id)
+
+
+READY = pb.SeamMessage(ready=pb.Ready()).SerializeToString()
+CLOSE = pb.SeamMessage(close=pb.Close()).SerializeToString()
+
+
+def open_msg(open_: pb.SessionOpen) -> bytes:
+    return pb.SeamMessage(open=open_).SerializeToString()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {address!r}; expected host:port")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,86 @@
+"""Routing: the cheapest chain of peers that tiles a model's layers exactly.
+
+A hop is one peer running its whole loaded range. The estimated time of one decode token through a
+route is the sum of each hop's compute (measured time per layer x layers x a load factor) and of
+each seam's latency (measured RTT, plus a penalty for relayed links), plus a fixed per-hop cost so
+that, all else equal, fewer hops win: one peer alone when it holds the whole model. A shortest path
+over layer boundaries finds the best tiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from meshd.tracker.placement import coverage, missing_ranges
+from meshd.tracker.view import Hop, Route, ShardOffer
+
+PER_HOP_MS = 0.5
+RELAY_PENALTY_MS = 5.0
+
+
+class NoRouteError(Exception):
+    def __init__(self, model_id: str, missing: list[tuple[int, int]]) -> None:
+        gaps = ", ".join(f"[{s}, {e})" for s, e in missing) or "none (peers excluded or incompatible)"
+        super().__init__(f"no complete route for {model_id}: layers not covered: {gaps}")
+        self.model_id = model_id
+        self.missing = missing
+
+
+def hop_terms(offer: ShardOffer, rtt_ms: float) -> dict:
+    layers = offer.range[1] - offer.range[0]
+    load = 1.0 + offer.active_sessions * 0.5 + offer.queued
+    compute = layers * offer.ms_per_layer * load
+    seam = rtt_ms + (RELAY_PENALTY_MS if offer.relayed else 0.0)
+    return {
+        "peer_id": offer.peer_id, "start": offer.range[0], "end": offer.range[1],
+        "compute_ms": round(compute, 3), "seam_ms": round(seam, 3), "hop_ms": PER_HOP_MS,
+        "load_factor": load,
+    }
+
+
+def plan_route(
+    model_id: str,
+    offers: Iterable[ShardOffer],
+    rtt_ms: Callable[[str], float],
+    epoch: int = 0,
+    exclude: frozenset[str] = frozenset(),
+) -> Route:
+    """The cheapest exact tiling of ``[0, n_layers)`` by the offered ranges, or :class:`NoRouteError`."""
+    usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude]
+    if not usable:
+        raise NoRouteError(model_id, [])
+    by_compat: dict[str, list[ShardOffer]] = {}
+    for o in usable:
+        by_compat.setdefault(o.compat_key, []).append(o)
+    best: Route | None = None
+    missing: list[tuple[int, int]] = []
+    for compat_key, group in sorted(by_compat.items()):
+        n_layers = group[0].n_layers
+        terms = {o.peer_id: hop_terms(o, rtt_ms(o.peer_id)) for o in group}
+        cost = {o.peer_id: sum(terms[o.peer_id][k] for k in ("compute_ms", "seam_ms", "hop_ms")) for o in group}
+        dist: dict[int, tuple[float, list[ShardOffer]]] = {0: (0.0, [])}
+        for boundary in range(n_layers):
+            if boundary not in dist:
+                continue
+            base, path = dist[boundary]
+            for o in sorted(group, key=lambda x: x.peer_id):
+                if o.range[0] != boundary:
+                    continue
+                cand = base + cost[o.peer_id]
+                end = o.range[1]
+                if end not in dist or cand < dist[end][0]:
+                    dist[end] = (cand, [*path, o])
+        if n_layers in dist:
+            total, path = dist[n_layers]
+            route = Route(
+                model_id=model_id, compat_key=compat_key,
+                hops=tuple(Hop(o.peer_id, o.range[0], o.range[1]) for o in path),
+                epoch=epoch, cost_ms=round(total, 3), terms=tuple(terms[o.peer_id] for o in path),
+            )
+            if best is None or route.cost_ms < best.cost_ms:
+                best = route
+        else:
+            missing = missing_ranges(coverage(group, n_layers)) or missing
+    if best is None:
+        raise NoRouteError(model_id, missing)
+    return best

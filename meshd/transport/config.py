@@ -1,0 +1,38 @@
+"""Transport settings, one object passed down from the daemon's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES
+
+MAX_WINDOW = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Limits and timeouts of the peer transport.
+
+    ``stream_window`` bounds what one stream may have in flight and buffered on the receiver; the
+    connection window is sized so that it never binds before the stream windows do, so one stalled
+    stream cannot starve the others on its connection.
+    """
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    connect_timeout: float = 10.0  # TCP connect + TLS + client auth, when dialling
+    handshake_timeout: float = 10.0  # how long an inbound connection may take to authenticate
+    stream_window: int = 1024 * 1024
+    max_concurrent_streams: int = 256
+    read_size: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_message_bytes < 2**32:
+            raise ValueError("max_message_bytes must fit the 4-byte length prefix")
+        if not 65535 <= self.stream_window <= MAX_WINDOW:
+            raise ValueError(f"stream_window must be between 65535 and {MAX_WINDOW}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError("max_concurrent_streams must be at least 1")
+
+    @property
+    def connection_window(self) -> int:
+        return min(MAX_WINDOW, self.stream_window * self.max_concurrent_streams)

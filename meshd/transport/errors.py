@@ -1,0 +1,51 @@
+"""Errors the transport raises to its callers and handlers."""
+
+from __future__ import annotations
+
+from h2.errors import ErrorCodes
+
+from meshd.errors import MeshError
+
+
+class TransportError(MeshError):
+    """A connection or stream to a peer failed: unreachable, timed out, closed, or misused."""
+
+    code = "transport_error"
+
+
+class PeerAuthError(TransportError):
+    """The remote end did not prove it holds the identity key it claims (or that we expected)."""
+
+    code = "peer_auth"
+
+
+class StreamReset(TransportError):
+    """The stream was reset, by the peer or by us; ``error_code`` is the HTTP/2 RST_STREAM code."""
+
+    code = "stream_reset"
+
+    def __init__(self, error_code: int, reason: str) -> None:
+        self.error_code = error_code
+        self.reason = reason
+        super().__init__(f"stream reset ({_code_name(error_code)}): {reason}")
+
+
+class FramingError(TransportError):
+    """A stream's bytes are not a valid sequence of length-prefixed messages."""
+
+    code = "bad_framing"
+    error_code: int = ErrorCodes.PROTOCOL_ERROR
+
+
+class MessageTooLarge(FramingError):
+    """A message (announced or offered) is larger than ``max_message_bytes``."""
+
+    code = "message_too_large"
+    error_code: int = ErrorCodes.FRAME_SIZE_ERROR
+
+
+def _code_name(error_code: int) -> str:
+    try:
+        return ErrorCodes(error_code).name
+    except ValueError:
+        return hex(error_code)

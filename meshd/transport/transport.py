@@ -1,0 +1,232 @@
+"""``Transport``: serve and dial authenticated HTTP/2 connections, one per peer, many streams each."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from meshd.identity import Identity
+from meshd.transport.config import TransportConfig
+from meshd.transport.connection import Connection, Handler, Stream
+from meshd.transport.errors import PeerAuthError, TransportError
+from meshd.transport.handshake import client_handshake, server_handshake
+from meshd.transport.tls import client_context, make_certificate, server_context
+
+logger = logging.getLogger("meshd.transport")
+
+Address = tuple[str, int]
+
+
+class Transport:
+    """This peer's end of the mesh transport.
+
+    Use as ``async with Transport(identity) as transport``: the transport owns the tasks of the
+    connections it dials, and closing it closes every connection, dialled or accepted. Settings
+    come as a ``TransportConfig`` and/or as keyword overrides of its fields.
+    """
+
+    def __init__(self, identity: Identity, config: TransportConfig | None = None, **settings: Any) -> None:
+        self.identity = identity
+        self.config = replace(config or TransportConfig(), **settings)
+        self.listen_port: int | None = None
+        self._client_context = client_context()
+        self._outbound: dict[str | Address, Connection] = {}
+        self._dial_locks: dict[str | Address, trio.Lock] = {}
+        self._inbound: set[Connection] = set()
+        self._serve_scopes: set[trio.CancelScope] = set()
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> Transport:
+        self._exit_stack = contextlib.AsyncExitStack()
+        self._nursery = await self._exit_stack.enter_async_context(trio.open_nursery())
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._exit_stack is not None
+        try:
+            await self.aclose()
+        finally:
+            result = await self._exit_stack.__aexit__(exc_type, exc, tb)
+        return result
+
+    @property
+    def connection_count(self) -> int:
+        """Live connections this peer dialled."""
+        return sum(1 for conn in self._outbound.values() if conn.is_alive)
+
+    @property
+    def inbound_connection_count(self) -> int:
+        """Live connections other peers dialled to us."""
+        return sum(1 for conn in self._inbound if conn.is_alive)
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def serve(
+        self,
+        listen_host: str,
+        listen_port: int,
+        handler: Handler,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept peers until cancelled; ``handler(stream)`` runs in its own task per incoming stream.
+
+        Reports the bound port (useful with port 0) through ``task_status`` and ``listen_port``.
+        """
+        certificate = make_certificate(self.identity)
+        context = server_context(certificate)
+        listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
+        self.listen_port = listeners[0].socket.getsockname()[1]
+        logger.info("serving peer transport on %s:%d as %s", listen_host, self.listen_port, self.identity.peer_id)
+        with trio.CancelScope() as scope:
+            self._serve_scopes.add(scope)
+            try:
+                async with trio.open_nursery() as nursery:
+                    task_status.started(self.listen_port)
+
+                    async def accept(tcp: trio.SocketStream) -> None:
+                        await self._accept(tcp, context, certificate.der, handler)
+
+                    await nursery.start(trio.serve_listeners, accept, listeners)
+            finally:
+                self._serve_scopes.discard(scope)
+
+    async def _accept(self, tcp: trio.SocketStream, context: ssl.SSLContext, cert_der: bytes, handler: Handler) -> None:
+        remote = _describe(tcp)
+        try:
+            with trio.fail_after(self.config.handshake_timeout):
+                stream, peer_id = await server_handshake(tcp, context, cert_der)
+        except PeerAuthError as exc:
+            logger.warning("rejected connection from %s: %s", remote, exc)
+            await trio.aclose_forcefully(tcp)
+            return
+        except trio.TooSlowError:
+            logger.warning(
+                "rejected connection from %s: no authentication within %ss", remote, self.config.handshake_timeout
+            )
+            await trio.aclose_forcefully(tcp)
+            return
+        except (TransportError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            logger.warning("rejected connection from %s: handshake failed: %s", remote, exc)
+            await trio.aclose_forcefully(tcp)
+            return
+        connection = Connection(stream, client_side=False, peer_id=peer_id, config=self.config, handler=handler)
+        logger.debug("accepted peer %s from %s", peer_id, remote)
+        self._inbound.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self._inbound.discard(connection)
+
+    # -- dialling -------------------------------------------------------------------------------
+
+    async def open_stream(
+        self, peer_id: str | None, address: Address, path: str, headers: dict[str, str] | None = None
+    ) -> Stream:
+        """Open a stream to a peer, reusing its live connection or dialling a new one.
+
+        ``peer_id`` is the identity the peer must prove; ``None`` accepts whoever answers (the
+        proven id is then ``stream.peer_id``).
+        """
+        connection = await self._connection(peer_id, address)
+        return await connection.open_stream(path, headers)
+
+    async def request(
+        self,
+        peer_id: str | None,
+        address: Address,
+        path: str,
+        body: bytes,
+        timeout: float = 30.0,
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
+        """Send one message, end our side, and return the peer's one reply message."""
+        try:
+            with trio.fail_after(timeout):
+                stream = await self.open_stream(peer_id, address, path, headers)
+                async with stream:
+                    await stream.send_message(body)
+                    await stream.end()
+                    status = (await stream.receive_headers())[":status"]
+                    reply = await stream.receive_message()
+                    if status != "200":
+                        detail = reply.decode("utf-8", "replace") if reply else ""
+                        raise TransportError(f"{path} on {stream.peer_id} answered status {status}: {detail}")
+                    if reply is None:
+                        raise TransportError(f"{path} on {stream.peer_id} ended the stream without a reply")
+                    return reply
+        except trio.TooSlowError as exc:
+            raise TransportError(f"request {path} to {peer_id or address} timed out after {timeout}s") from exc
+
+    async def _connection(self, peer_id: str | None, address: Address) -> Connection:
+        if self._nursery is None or self._closed:
+            raise TransportError("the transport is not open; use `async with Transport(...)`")
+        key: str | Address = peer_id if peer_id is not None else (address[0], address[1])
+        lock = self._dial_locks.setdefault(key, trio.Lock())
+        async with lock:
+            connection = self._outbound.get(key)
+            if connection is not None and connection.is_alive:
+                return connection
+            connection = await self._dial(peer_id, address)
+            self._outbound[key] = connection
+            return connection
+
+    async def _dial(self, peer_id: str | None, address: Address) -> Connection:
+        assert self._nursery is not None
+        host, port = address
+        tcp: trio.SocketStream | None = None
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                tcp = await trio.open_tcp_stream(host, port)
+                stream, proven_id = await client_handshake(tcp, self._client_context, self.identity, peer_id)
+        except trio.TooSlowError as exc:
+            await _abort(tcp)
+            raise TransportError(f"dialling {host}:{port} timed out after {self.config.connect_timeout}s") from exc
+        except PeerAuthError as exc:
+            await _abort(tcp)
+            logger.warning("refused peer at %s:%d: %s", host, port, exc)
+            raise
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await _abort(tcp)
+            raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
+        except TransportError:
+            await _abort(tcp)
+            raise
+        connection = Connection(stream, client_side=True, peer_id=proven_id, config=self.config)
+        await self._nursery.start(connection.run)
+        logger.debug("connected to peer %s at %s:%d", proven_id, host, port)
+        return connection
+
+    async def aclose(self) -> None:
+        """Stop serving and close every connection."""
+        self._closed = True
+        for scope in list(self._serve_scopes):
+            scope.cancel()
+        connections = [*self._outbound.values(), *self._inbound]
+        self._outbound.clear()
+        async with trio.open_nursery() as nursery:
+            for connection in connections:
+                nursery.start_soon(connection.aclose)
+
+
+async def _abort(stream: trio.abc.AsyncResource | None) -> None:
+    if stream is not None:
+        await trio.aclose_forcefully(stream)
+
+
+def _describe(tcp: trio.SocketStream) -> str:
+    try:
+        host, port = tcp.socket.getpeername()[:2]
+    except OSError:
+        return "unknown address"
+    return f"{host}:{port}"

@@ -1,0 +1,198 @@
+"""Gossip membership on a simulated network: many nodes, one process, a fake clock."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+
+from nacl.signing import SigningKey
+
+from meshd.cards import RejectReason
+from meshd.gossip import Address, GossipConfig, GossipNode, MemberChanged, MemberState, Send, dead_everywhere_bound
+from meshd.wire import card_pb2 as pb
+
+CONFIG = GossipConfig(probe_interval=0.5, probe_timeout=0.15, indirect_probes=3, suspect_timeout=2.0,
+                      pushpull_interval=1.0, fanout=1)
+LATENCY = 0.01
+STEP = 0.05
+
+
+class Network:
+    """Delivers Send actions after a fixed latency; can drop messages, cut links and silence nodes."""
+
+    def __init__(self, n: int, config: GossipConfig = CONFIG, loss: float = 0.0, seed: int = 1) -> None:
+        self.rng = random.Random(seed)
+        self.loss = loss
+        self.now = 0.0
+        self.nodes: dict[str, GossipNode] = {}
+        self.by_address: dict[str, str] = {}
+        for i in range(n):
+            key = SigningKey(bytes([i + 1]) * 32)
+            node = GossipNode.with_key(key, pb.CapabilityCard(addresses=[f"node{i}:7400"]), config,
+                                       random.Random(seed * 1000 + i))
+            self.nodes[node.self_id] = node
+            self.by_address[f"node{i}:7400"] = node.self_id
+        self.ids = list(self.nodes)
+        self.silent: set[str] = set()
+        self.cut: set[frozenset[str]] = set()
+        self.events: list[tuple[float, str, MemberChanged]] = []
+        self._queue: list[tuple[float, int, str, str, bytes]] = []
+        self._counter = itertools.count()
+        self.after_tick = None  # optional hook run once per step, after every node ticked
+
+    def perform(self, sender: str, actions) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                to = self.by_address[action.to.host_port] if isinstance(action.to, Address) else action.to
+                raw = action.message.SerializeToString()
+                heapq.heappush(self._queue, (self.now + LATENCY, next(self._counter), sender, to, raw))
+            elif isinstance(action, MemberChanged):
+                self.events.append((self.now, sender, action))
+
+    def dropped(self, sender: str, to: str) -> bool:
+        if sender in self.silent or to in self.silent or frozenset((sender, to)) in self.cut:
+            return True
+        return self.loss > 0 and self.rng.random() < self.loss
+
+    def run_until(self, until: float, done=None) -> float | None:
+        """Advance the clock; return the time ``done()`` first held, if given."""
+        while self.now < until:
+            self.now = round(self.now + STEP, 6)
+            while self._queue and self._queue[0][0] <= self.now:
+                _, _, sender, to, raw = heapq.heappop(self._queue)
+                if not self.dropped(sender, to):
+                    self.perform(to, self.nodes[to].on_message(sender, pb.GossipMessage.FromString(raw), self.now))
+            for peer_id, node in self.nodes.items():
+                if peer_id not in self.silent:
+                    self.perform(peer_id, node.tick(self.now))
+            if self.after_tick is not None:
+                self.after_tick()
+            if done is not None and done():
+                return self.now
+        return None
+
+    def join_all_via(self, seed_index: int = 0) -> None:
+        for node in self.nodes.values():
+            if node.self_id != self.ids[seed_index]:
+                node.add_seed(f"node{seed_index}:7400")
+
+    def converged(self, live: list[str] | None = None) -> bool:
+        live = live or self.ids
+        for peer_id in live:
+            view = self.nodes[peer_id].members()
+            if any(view.get(other) != MemberState.ALIVE for other in live if other != peer_id):
+                return False
+        return True
+
+    def all_see(self, target: str, state: MemberState) -> bool:
+        watchers = [p for p in self.ids if p != target and p not in self.silent]
+        return all(self.nodes[p].members().get(target) == state for p in watchers)
+
+
+def test_fifty_nodes_converge_to_full_membership_through_one_seed():
+    net = Network(50)
+    net.join_all_via(0)
+    at = net.run_until(30.0, net.converged)
+    assert at is not None, "no convergence in 30 s"
+    for node in net.nodes.values():
+        assert len(node.live_cards()) == 50
+    # and it stays converged: no false suspicions on a lossless network
+    net.run_until(at + 10.0)
+    assert net.converged()
+    assert not [e for e in net.events if e[2].new != MemberState.ALIVE]
+
+
+def test_converges_with_message_loss():
+    net = Network(20, loss=0.1, seed=3)
+    net.join_all_via(0)
+    assert net.run_until(40.0, net.converged) is not None
+
+
+def test_silent_node_becomes_suspect_then_dead_everywhere_within_bound():
+    net = Network(20)
+    net.join_all_via(0)
+    start = net.run_until(30.0, net.converged)
+    assert start is not None
+    victim = net.ids[7]
+    net.silent.add(victim)
+    bound = dead_everywhere_bound(CONFIG, len(net.ids))
+    at = net.run_until(start + bound + 1, lambda: net.all_see(victim, MemberState.DEAD))
+    assert at is not None, f"victim not DEAD everywhere within {bound:.1f} s"
+    assert at - start <= bound
+    transitions = [(e.old, e.new) for _, _, e in net.events if e.peer_id == victim]
+    assert (MemberState.ALIVE, MemberState.SUSPECT) in transitions
+    for peer_id in net.ids:
+        if peer_id != victim:
+            assert victim not in net.nodes[peer_id].live_cards()
+    # nobody else was harmed
+    others = [p for p in net.ids if p != victim]
+    assert all(net.nodes[p].members()[q] == MemberState.ALIVE for p in others for q in others if p != q)
+
+
+def test_indirect_probes_prevent_false_suspicion_over_one_broken_link():
+    net = Network(10)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    assert start is not None
+    a, b = net.ids[2], net.ids[5]
+    net.cut.add(frozenset((a, b)))
+    net.run_until(start + 30.0)
+    suspicions = [e for _, _, e in net.events if e.new != MemberState.ALIVE]
+    assert suspicions == []
+    assert net.converged()
+
+
+def test_without_indirect_probes_a_broken_link_causes_suspicion():
+    """The control for the test above: the same cut with k = 0 does raise a suspicion."""
+    config = GossipConfig(probe_interval=0.5, probe_timeout=0.15, indirect_probes=0, suspect_timeout=2.0,
+                          pushpull_interval=1.0)
+    net = Network(10, config=config)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    assert start is not None
+    net.cut.add(frozenset((net.ids[2], net.ids[5])))
+    net.run_until(start + 30.0)
+    assert any(e.new == MemberState.SUSPECT for _, _, e in net.events)
+    # the suspected peer refutes with a newer card, so the cut never escalates to DEAD
+    assert not any(e.new == MemberState.DEAD for _, _, e in net.events)
+
+
+def test_leave_is_seen_as_left_everywhere():
+    net = Network(15)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    assert start is not None
+    leaver = net.ids[4]
+    net.perform(leaver, net.nodes[leaver].leave(net.now))
+    at = net.run_until(start + 10.0, lambda: net.all_see(leaver, MemberState.LEFT))
+    assert at is not None
+    assert not any(e.new == MemberState.DEAD for _, _, e in net.events if e.peer_id == leaver)
+    assert all(leaver not in net.nodes[p].live_cards() for p in net.ids if p != leaver)
+
+
+def test_restarted_dead_peer_rejoins_with_newer_card():
+    net = Network(8)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    victim = net.ids[3]
+    net.silent.add(victim)
+    assert net.run_until(start + 30.0, lambda: net.all_see(victim, MemberState.DEAD)) is not None
+    net.silent.discard(victim)
+    # the victim hears it is dead, signs a newer card, and everyone takes it back
+    assert net.run_until(net.now + 20.0, net.converged) is not None
+
+
+def test_forged_card_does_not_enter_membership():
+    net = Network(3)
+    net.join_all_via(0)
+    net.run_until(10.0, net.converged)
+    a, b = net.ids[0], net.ids[1]
+    honest = net.nodes[b].store.get(b)
+    forged = pb.CapabilityCard.FromString(honest.signed.card)
+    forged.sequence += 100
+    bad = pb.SignedCard(card=forged.SerializeToString(), signature=honest.signed.signature)
+    message = pb.GossipMessage(cards=[bad])
+    net.nodes[a].on_message(net.ids[2], message, net.now)
+    assert net.nodes[a].store.get(b).sequence == honest.sequence
+    assert net.nodes[a].rejected_cards[RejectReason.BAD_SIGNATURE] == 1

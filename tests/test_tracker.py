@@ -1,0 +1,76 @@
+"""Placement and routing over a gossip view."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd.tracker.placement import place
+from meshd.tracker.routing import NoRouteError, plan_route
+from meshd.tracker.view import ShardOffer
+
+LAYER = 100
+EDGE = 50
+
+
+def offer(pid, budget, rng=None, n=4, **kw) -> ShardOffer:
+    return ShardOffer(peer_id=pid, model_id="m", compat_key="k", n_layers=n, layer_bytes=LAYER, edge_bytes=EDGE,
+                      memory_budget_bytes=budget, range=rng, **kw)
+
+
+def test_three_peers_cover_the_model_without_manual_ranges():
+    plan = place([offer("a", 2 * LAYER + EDGE), offer("b", LAYER + EDGE), offer("c", LAYER + EDGE)])
+    covered = sorted(plan.values())
+    assert covered == [(0, 2), (2, 3), (3, 4)]
+
+
+def test_weakest_layers_are_filled_first():
+    existing = [offer("a", 10_000, (0, 4)), offer("b", 10_000, (0, 2))]
+    plan = place([*existing, offer("c", 2 * LAYER + EDGE)])
+    assert plan == {"c": (2, 4)}
+
+
+def test_placement_keeps_ranges_tileable():
+    mb = 1
+    offers = [ShardOffer(f"p{i}", "m", "k", 16, 45 * mb, 131 * mb, budget, None)
+              for i, budget in enumerate([6 * 45 + 131, 5 * 45 + 131, 5 * 45 + 131])]
+    plan = place(offers)
+    placed = [ShardOffer(o.peer_id, "m", "k", 16, 45, 131, 0, plan[o.peer_id]) for o in offers]
+    route = plan_route("m", placed, rtt_ms=lambda p: 1.0)
+    assert [(h.start, h.end) for h in route.hops] == sorted(plan.values())
+    assert route.hops[-1].end == 16
+
+
+def test_budget_limits_the_range_and_big_budget_takes_everything():
+    assert place([offer("a", 10 * LAYER)]) == {"a": (0, 4)}
+    assert place([offer("a", 3 * LAYER + EDGE)]) == {"a": (0, 3)}
+    assert place([offer("a", 10)]) == {}
+
+
+def test_route_prefers_one_peer_holding_everything():
+    offers = [offer("a", 0, (0, 2)), offer("b", 0, (2, 4)), offer("c", 0, (0, 4))]
+    route = plan_route("m", offers, rtt_ms=lambda p: 1.0)
+    assert [h.peer_id for h in route.hops] == ["c"]
+
+
+def test_route_tiles_exactly_and_avoids_loaded_or_slow_peers():
+    offers = [offer("a", 0, (0, 2)), offer("b", 0, (2, 4)), offer("c", 0, (2, 4), active_sessions=6),
+              offer("d", 0, (0, 1))]
+    route = plan_route("m", offers, rtt_ms=lambda p: 1.0, epoch=3)
+    assert [(h.peer_id, h.start, h.end) for h in route.hops] == [("a", 0, 2), ("b", 2, 4)]
+    assert route.epoch == 3 and len(route.terms) == 2
+    far = plan_route("m", offers, rtt_ms=lambda p: 50.0 if p == "b" else 1.0)
+    assert [h.peer_id for h in far.hops] == ["a", "c"]
+
+
+def test_missing_layers_are_reported():
+    with pytest.raises(NoRouteError) as info:
+        plan_route("m", [offer("a", 0, (0, 1)), offer("b", 0, (3, 4))], rtt_ms=lambda p: 1.0)
+    assert info.value.missing == [(1, 3)]
+    with pytest.raises(NoRouteError):
+        plan_route("m", [offer("a", 0, (0, 4))], rtt_ms=lambda p: 1.0, exclude=frozenset({"a"}))
+
+
+def test_incompatible_hops_are_never_mixed():
+    offers = [offer("a", 0, (0, 2)), ShardOffer("b", "m", "other", 4, LAYER, EDGE, 0, (2, 4))]
+    with pytest.raises(NoRouteError):
+        plan_route("m", offers, rtt_ms=lambda p: 1.0)
