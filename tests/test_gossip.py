@@ -196,3 +196,14 @@ def test_forged_card_does_not_enter_membership():
     net.nodes[a].on_message(net.ids[2], message, net.now)
     assert net.nodes[a].store.get(b).sequence == honest.sequence
     assert net.nodes[a].rejected_cards[RejectReason.BAD_SIGNATURE] == 1
+
+
+def test_own_card_echoes_do_not_make_a_node_reissue():
+    net = Network(5)
+    net.join_all_via(0)
+    at = net.run_until(20.0, net.converged)
+    assert at is not None
+    sequences = {p: n.issuer.sequence for p, n in net.nodes.items()}
+    net.run_until(at + 10.0)
+    # cards live 10 minutes by default: ten quiet seconds of gossip must not re-sign any of them
+    assert {p: n.issuer.sequence for p, n in net.nodes.items()} == sequences

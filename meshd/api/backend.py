@@ -44,6 +44,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    ignore_eos: bool = False  # extension (as in vLLM): run to max_tokens even past end-of-sequence
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRe
         stream = False
     elif not isinstance(stream, bool):
         raise _type_error("stream", "a boolean")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _type_error("ignore_eos", "a boolean")
     generation = GenerationRequest(
         model=model,
         kind=kind,
@@ -79,6 +82,7 @@ def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRe
         seed=seed,
         stop=_stop(body),
         stream=stream,
+        ignore_eos=ignore_eos,
     )
     return ParsedRequest(generation, include_usage=stream and _include_usage(body))
 

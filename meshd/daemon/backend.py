@@ -23,6 +23,7 @@ from meshd.wire.bundle import Sampling
 log = logging.getLogger("meshd.api")
 
 DEFAULT_MAX_TOKENS = 256
+SETUP_ATTEMPTS = 3
 
 
 class MeshBackend:
@@ -52,46 +53,62 @@ class MeshBackend:
             yield Finished("length", len(prompt), 0)
             return
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        plan = SessionPlan(
-            route=route, addresses=addresses, prompt=prompt, max_new_tokens=max_new,
-            sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63)),
-            eos_token_id=tokenizer.eos_token_id, chunk_tokens=peer.config.chunk_tokens,
-            step_timeout_s=peer.config.step_timeout_s, session_id=req.request_id,
-        )
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63))
+        eos = None if req.ignore_eos else tokenizer.eos_token_id
         yield Started(prompt_tokens=len(prompt))
-        send, receive = trio.open_memory_channel(math.inf)
-        failure: list[BaseException] = []
-
-        async def session_task(task_status=trio.TASK_STATUS_IGNORED):
-            with trio.CancelScope() as scope:
-                task_status.started(scope)
-                try:
-                    await run_session(peer.transport, peer.peer_id, plan, send)
-                except Exception as exc:
-                    log.warning("session %s failed: %s: %s", plan.session_id, type(exc).__name__, exc)
-                    failure.append(exc)
-                    await send.aclose()
-
-        scope = await peer.sessions_nursery.start(session_task)
         detok = IncrementalDetokenizer(tokenizer)
         produced = 0
-        last = None
+        last: TokenEvent | None = None
+        avoid: set[str] = set()
+        for attempt in range(SETUP_ATTEMPTS):
+            if attempt:
+                try:
+                    route, addresses, _source = await peer.route_for(req.model, exclude=frozenset(avoid))
+                except NoRouteError as exc:
+                    raise NoRoute(req.model, exc.missing) from None
+            plan = SessionPlan(
+                route=route, addresses=addresses, prompt=prompt, max_new_tokens=max_new, sampling=sampling,
+                eos_token_id=eos, chunk_tokens=peer.config.chunk_tokens, step_timeout_s=peer.config.step_timeout_s,
+                session_id=f"{req.request_id}-{attempt}" if attempt else req.request_id,
+            )
+            send, receive = trio.open_memory_channel(math.inf)
+            failure: list[BaseException] = []
+            scope = await peer.sessions_nursery.start(_session_task, peer, plan, send, failure)
+            try:
+                async with receive:
+                    async for token in receive:
+                        produced += 1
+                        if last is not None:
+                            yield last
+                        last = TokenEvent(text=detok.push(token), token_id=token)
+            finally:
+                scope.cancel()
+            if not failure:
+                break
+            exc = failure[0]
+            blamed = getattr(exc, "peer_id", "")
+            if produced or not blamed or attempt + 1 == SETUP_ATTEMPTS:
+                raise Overloaded(f"the route failed: {exc}", retry_after=1.0)
+            log.info("route %s failed before its first token (%s); re-routing around %s",
+                     route.describe(), exc, blamed[:12])
+            peer.mark_unreachable(blamed)
+            avoid.add(blamed)
+        if last is not None:
+            yield TokenEvent(text=last.text + detok.flush(), token_id=last.token_id)
+        reason = "stop" if last is not None and eos is not None and last.token_id == eos else "length"
+        yield Finished(reason, len(prompt), produced)
+
+
+async def _session_task(peer, plan: SessionPlan, send, failure: list, task_status=trio.TASK_STATUS_IGNORED):
+    """Run one session under the daemon's sessions nursery; failures are reported, never raised."""
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
         try:
-            async with receive:
-                async for token in receive:
-                    produced += 1
-                    if last is not None:
-                        yield last
-                    last = TokenEvent(text=detok.push(token), token_id=token)
-            if failure:
-                raise Overloaded(f"the route failed mid-generation: {failure[0]}", retry_after=1.0)
-            if last is not None:
-                yield TokenEvent(text=last.text + detok.flush(), token_id=last.token_id)
-            eos = tokenizer.eos_token_id
-            reason = "stop" if last is not None and last.token_id == eos else "length"
-            yield Finished(reason, len(prompt), produced)
-        finally:
-            scope.cancel()
+            await run_session(peer.transport, peer.peer_id, plan, send)
+        except Exception as exc:
+            log.warning("session %s failed: %s: %s", plan.session_id, type(exc).__name__, exc)
+            failure.append(exc)
+            await send.aclose()
 
 
 def _encode(tokenizer, req: GenerationRequest) -> list[int]:

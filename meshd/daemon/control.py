@@ -32,7 +32,14 @@ def build_control_app(peer) -> Starlette:
             "hops": [dict(t) for t in chosen.terms],
         })
 
+    async def stats(request: Request) -> JSONResponse:
+        summary = peer.hops.stats.summary()
+        if request.query_params.get("reset"):
+            peer.hops.stats.reset()
+        return JSONResponse(summary)
+
     return Starlette(routes=[
+        Route("/stats", stats),
         Route("/status", status),
         Route("/peers", peers),
         Route("/route", route),

@@ -50,6 +50,7 @@ PLACE_PATH = "/meshd/place"
 TOKENIZER_PATH = "/meshd/tokenizer"
 ROUTE_ASK_TIMEOUT_S = 2.0
 PLACEMENT_RETRY_S = 30.0
+UNREACHABLE_FOR_S = 10.0
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Peer:
         self.listen_port: int | None = None
         self._tokenizers: dict[str, TokenizerEntry] = {}
         self._placement_orders: dict[str, tuple[tuple[int, int], float]] = {}
+        self._unreachable: dict[str, float] = {}
         self._epochs = itertools.count(1)
         self._load_started = False
         self.sessions_nursery: trio.Nursery | None = None
@@ -194,8 +196,28 @@ class Peer:
 
     # -- routes ------------------------------------------------------------------------------------
 
+    def mark_unreachable(self, peer_id: str) -> None:
+        """Keep routes away from a peer that just failed to answer, until gossip decides about it."""
+        self._unreachable[peer_id] = time.monotonic() + UNREACHABLE_FOR_S
+
+    def _avoided(self) -> frozenset[str]:
+        now = time.monotonic()
+        recent = {p for p, until in self._unreachable.items() if until > now}
+        suspects = {p for p, state in self.gossip.members().items() if state != MemberState.ALIVE}
+        return frozenset(recent | suspects)
+
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[Route, dict, str]:
-        """A route from the tracker, or planned locally when no tracker answers in time."""
+        """A route avoiding suspected peers when possible: from the tracker, or planned locally when no
+        tracker answers in time."""
+        avoid = exclude | self._avoided()
+        if avoid != exclude:
+            try:
+                return await self._route_for(model_id, avoid)
+            except NoRouteError:
+                pass
+        return await self._route_for(model_id, exclude)
+
+    async def _route_for(self, model_id: str, exclude: frozenset[str]) -> tuple[Route, dict, str]:
         now = time.time()
         tracker = self.election.tracker(now)
         route = None
@@ -281,9 +303,13 @@ class Peer:
             await stream.reset()
 
     async def _handle_unary(self, stream) -> None:
-        body = await stream.receive_message()
-        if body is None:
-            await stream.aclose()
+        with trio.move_on_after(10):
+            body = await stream.receive_message()
+            # The requester ends its side right after its one message; wait for that before replying,
+            # so that finishing this handler never has to reset a stream the peer is still closing.
+            extra = await stream.receive_message() if body is not None else None
+        if body is None or extra is not None:
+            await stream.reset()
             return
         path, sender = stream.path, stream.peer_id
         self.last_seen[sender] = time.time()
@@ -459,6 +485,7 @@ class Peer:
             "listen": self.config.advertised, "api": f"{_host(self.config.api)}:{self.api_port}",
             "control": f"{_host(self.config.control)}:{self.control_port}",
             "tracker": tracker, "tracker_term": self.election.term(now), "is_tracker": tracker == self.peer_id,
+            "lease_duration_s": self.config.lease_duration_s, "takeover_bound_s": self.takeover_bound_s(),
             "model": self.model.model_id if self.model else None,
             "compat_key": self.model.compat_key if self.model else None,
             "range": list(self.host.range) if self.host and self.host.range else None,
@@ -469,6 +496,11 @@ class Peer:
             "rejected_cards": {str(k): v for k, v in self.gossip.rejected_cards.items()},
             "uptime_s": round(now - self.started_at, 1),
         }
+
+    def takeover_bound_s(self) -> float:
+        """Longest a mesh goes without a tracker after the tracker dies (see meshd.election)."""
+        delivery = 2 * max(self.config.probe_interval_s, self.config.pushpull_interval_s)
+        return round(self.election.config.takeover_bound(TICK_S, delivery), 3)
 
     def peers_table(self) -> list[dict]:
         now = time.time()

@@ -26,6 +26,7 @@ with ``n`` members a silent peer goes undetected for ``p`` periods with probabil
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections import Counter
@@ -37,6 +38,8 @@ from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectRe
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
 from meshd.gossip.events import Action, Address, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.wire import card_pb2 as pb
+
+log = logging.getLogger("meshd.gossip")
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,8 @@ class GossipNode:
                 return
         except CardRejected as exc:
             self.rejected_cards[exc.reason] += 1
+            level = logging.INFO if exc.reason == RejectReason.REPLAYED else logging.WARNING
+            log.log(level, "card for %s rejected (%s): %s", str(peer_id)[:12], exc.reason, exc)
             return
         card = self.store.get(peer_id)
         assert card is not None and peer_id is not None
@@ -353,7 +358,9 @@ class GossipNode:
         except CardRejected as exc:
             self.rejected_cards[exc.reason] += 1
             return
-        if card.sequence >= self.issuer.sequence:
+        own = self.store.get(self.self_id)
+        same_as_ours = own is not None and own.signed.card == signed.card
+        if card.sequence > self.issuer.sequence or (card.sequence == self.issuer.sequence and not same_as_ours):
             self._issue_own(now, at_least=card.sequence)
 
     def _merge_digest(self, digest: pb.MemberDigest, now: float, actions: list[Action]) -> None:

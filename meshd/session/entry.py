@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,12 +69,12 @@ async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: tri
     results = head_stream = None
     async with out:
         try:
-            results = await transport.open_stream(tail.peer_id, m.split_address(tail.address), m.RESULTS_PATH)
+            results = await _dial(transport, tail, m.RESULTS_PATH)
             await results.send_message(open_for(len(hops) - 1))
             with trio.fail_after(plan.step_timeout_s):
                 first = m.parse(await _must_receive(results))
             _raise_if_error(first)
-            head_stream = await transport.open_stream(head.peer_id, m.split_address(head.address), m.SEAM_PATH)
+            head_stream = await _dial(transport, head, m.SEAM_PATH)
             await head_stream.send_message(open_for(0))
             events_send, events = trio.open_memory_channel(math.inf)
             error: Exception | None = None
@@ -107,6 +108,7 @@ async def _generate(plan: SessionPlan, session_id: str, route: Route, head_strea
     for step in range(plan.max_new_tokens):
         for bundle in input_bundles(session_id, route.epoch, pending, position, plan.chunk_tokens, head_range,
                                     plan.sampling, step=step):
+            bundle.sent_at_ns = time.time_ns()
             await head_stream.send_message(m.bundle_msg(wire.encode(bundle)))
         position += len(pending)
         with trio.fail_after(plan.step_timeout_s):
@@ -121,6 +123,13 @@ async def _generate(plan: SessionPlan, session_id: str, route: Route, head_strea
         if plan.eos_token_id is not None and token == plan.eos_token_id:
             return
         pending = [token]
+
+
+async def _dial(transport, hop: pb.HopAddress, path: str):
+    try:
+        return await transport.open_stream(hop.peer_id, m.split_address(hop.address), path)
+    except Exception as exc:
+        raise SessionFailed("unreachable", f"cannot reach {hop.address}: {exc}", hop.peer_id) from exc
 
 
 async def _read_into(stream, sink: trio.MemorySendChannel, name: str) -> None:

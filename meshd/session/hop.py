@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import trio
@@ -21,20 +23,58 @@ from meshd.runtime.shard import HIDDEN_STATES
 from meshd.session import messages as m
 from meshd.wire import bundle as wire
 from meshd.wire import session_pb2 as pb
-from meshd.wire.bundle import HiddenStateBundle
+from meshd.wire.bundle import HiddenStateBundle, Phase
 
 log = logging.getLogger("meshd.session")
 
 RESULTS_WAIT_S = 10.0
+STATS_WINDOW = 20000
+
+
+class NextHopFailed(MeshError):
+    """The next hop of the route could not be reached or went away; the entry should avoid it."""
+
+    code = "unreachable"
+
+    def __init__(self, peer_id: str, message: str) -> None:
+        super().__init__(message)
+        self.peer_id = peer_id
 
 
 @dataclass
 class HopStats:
-    """Counters a peer reports about its seams (for status and benchmarks)."""
+    """What a peer measures about its seams and compute (for status, profiles and benchmarks).
+
+    ``seam_ms`` holds, per decode bundle received from the previous hop, the time from the sender
+    starting to encode it to this hop having decoded it (wall clocks: exact on one host, only as good
+    as clock sync across hosts); ``entry_seam_ms`` the same for bundles straight from the entry.
+    """
 
     sessions_served: int = 0
     seam_errors: int = 0
-    seam_send_ms: list[float] = field(default_factory=list)
+    seam_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    entry_seam_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    seam_bytes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    compute_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+
+    def reset(self) -> None:
+        for window in (self.seam_ms, self.entry_seam_ms, self.seam_bytes, self.compute_ms):
+            window.clear()
+
+    def summary(self) -> dict:
+        return {
+            "sessions_served": self.sessions_served, "seam_errors": self.seam_errors,
+            "seam_ms": _percentiles(self.seam_ms), "entry_seam_ms": _percentiles(self.entry_seam_ms),
+            "decode_bundle_bytes": _percentiles(self.seam_bytes), "compute_ms": _percentiles(self.compute_ms),
+        }
+
+
+def _percentiles(values) -> dict:
+    data = sorted(values)
+    if not data:
+        return {"count": 0}
+    pick = lambda q: data[min(len(data) - 1, int(q * len(data)))]  # noqa: E731
+    return {"count": len(data), "p50": pick(0.5), "p95": pick(0.95), "mean": sum(data) / len(data)}
 
 
 class HopService:
@@ -94,21 +134,29 @@ class HopService:
             is_tail = open_.hop_index == len(open_.hops) - 1
             if not is_tail:
                 nxt = open_.hops[open_.hop_index + 1]
-                downstream = await self.transport.open_stream(nxt.peer_id, m.split_address(nxt.address), m.SEAM_PATH)
                 forwarded = pb.SessionOpen()
                 forwarded.CopyFrom(open_)
                 forwarded.hop_index = open_.hop_index + 1
-                await downstream.send_message(m.open_msg(forwarded))
+                try:
+                    downstream = await self.transport.open_stream(nxt.peer_id, m.split_address(nxt.address),
+                                                                  m.SEAM_PATH)
+                    await downstream.send_message(m.open_msg(forwarded))
+                except Exception as exc:
+                    raise NextHopFailed(nxt.peer_id, f"cannot reach the next hop: {exc}") from exc
             async with trio.open_nursery() as nursery:
                 if downstream is not None:
                     nursery.start_soon(self._relay_upstream, downstream, stream, nursery.cancel_scope)
                 try:
                     await self._pump(stream, open_, downstream, is_tail)
+                except NextHopFailed as exc:
+                    failure = self._failed(key, exc, m.error_msg(exc.code, str(exc), exc.peer_id))
                 except MeshError as exc:
                     failure = self._failed(key, exc, m.error_from(exc, self.peer_id))
                 except Exception as exc:
                     failure = self._failed(key, exc, m.error_msg("seam_failed", str(exc), self.peer_id))
                 nursery.cancel_scope.cancel()
+        except NextHopFailed as exc:
+            failure = self._failed(key, exc, m.error_msg(exc.code, str(exc), exc.peer_id))
         except MeshError as exc:
             failure = self._failed(key, exc, m.error_from(exc, self.peer_id))
         except Exception as exc:
@@ -144,16 +192,26 @@ class HopService:
             bundle = wire.decode(msg.bundle)
             if (bundle.session_id, bundle.epoch) != key:
                 raise BundleError("bundle belongs to another session than its stream")
+            if bundle.phase == Phase.DECODE and bundle.sent_at_ns:
+                crossed = (time.time_ns() - bundle.sent_at_ns) / 1e6
+                (self.stats.seam_ms if open_.hop_index > 0 else self.stats.entry_seam_ms).append(crossed)
+                self.stats.seam_bytes.append(len(raw))
+            started = time.perf_counter()
             result = await self.host.forward(bundle)
+            if bundle.phase == Phase.DECODE:
+                self.stats.compute_ms.append((time.perf_counter() - started) * 1000)
             if not is_tail:
                 out = HiddenStateBundle(
                     session_id=bundle.session_id, epoch=bundle.epoch, step=bundle.step, phase=bundle.phase,
                     start_position=bundle.start_position, token_count=bundle.token_count,
                     tensors={HIDDEN_STATES: result.hidden_states},
                     range_start=nxt.range_start, range_end=nxt.range_end,
-                    sample=bundle.sample, sampling=bundle.sampling,
+                    sample=bundle.sample, sampling=bundle.sampling, sent_at_ns=time.time_ns(),
                 )
-                await downstream.send_message(m.bundle_msg(wire.encode(out)))
+                try:
+                    await downstream.send_message(m.bundle_msg(wire.encode(out)))
+                except Exception as exc:
+                    raise NextHopFailed(nxt.peer_id, f"the next hop went away: {exc}") from exc
             elif result.token is not None:
                 sink = await self._sink_for(key)
                 await sink.send_message(m.token_msg(bundle.start_position + bundle.token_count, result.token))
@@ -183,7 +241,8 @@ class HopService:
                     scope.cancel()
                     return
         except Exception as exc:
-            await _send_quietly(upstream, m.error_msg("seam_failed", f"next hop failed: {exc}", self.peer_id))
+            nxt_id = getattr(downstream, "peer_id", "") or ""
+            await _send_quietly(upstream, m.error_msg("unreachable", f"the next hop failed: {exc}", nxt_id))
             scope.cancel()
 
     def _check_open(self, msg: pb.SeamMessage, tail_only: bool = False) -> pb.SessionOpen:

@@ -66,6 +66,7 @@ class HiddenStateBundle:
     step: int = 0
     sample: bool = False
     sampling: Sampling | None = None
+    sent_at_ns: int = 0
     version: int = field(default=SCHEMA_VERSION)
 
 
@@ -81,6 +82,7 @@ def encode(bundle: HiddenStateBundle) -> bytes:
         range_start=bundle.range_start,
         range_end=bundle.range_end,
         sample=bundle.sample,
+        sent_at_ns=bundle.sent_at_ns,
     )
     if bundle.sampling is not None:
         s = bundle.sampling
@@ -142,6 +144,7 @@ def decode(data: bytes) -> HiddenStateBundle:
         step=msg.step,
         sample=msg.sample,
         sampling=sampling,
+        sent_at_ns=msg.sent_at_ns,
         version=msg.version,
     )
 
