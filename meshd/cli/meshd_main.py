@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # A peer shares its machine with other work (often other peers): OpenMP threads that spin after
+    # each step would steal the cores the next hop needs. Set before torch is imported; an operator's
+    # own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from meshd.daemon.config import load_config
     from meshd.daemon.peer import Peer
 
