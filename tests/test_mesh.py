@@ -243,3 +243,17 @@ def test_daemons_stop_cleanly_on_sigterm(tiny_model, tmp_path):
     assert max(times.values()) < 10
     assert (m.peers[0].data_dir / "identity.key").stat().st_mode & 0o777 == 0o600
     assert Path(m.peers[0].data_dir / "identity.key").is_file()
+
+
+def test_partial_coverage_answers_503_with_the_missing_ranges(tiny_model, tmp_path):
+    with LocalMesh(tmp_path / "partial") as m:
+        (peer,) = m.start_peers([dict(model=tiny_model, layers=(0, 2))])
+        m.wait_until(lambda: peer.get("/status")["range"] == [0, 2], 30, "layers loaded")
+        resp = httpx.post(f"http://{peer.api}/v1/chat/completions",
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 503
+        assert "[2, 4)" in resp.json()["error"]["message"]
+        assert int(resp.headers["retry-after"]) >= 1
+        assert httpx.get(f"http://{peer.api}/v1/models").json()["data"] == []
+        run = meshctl(peer, "route", "tiny")
+        assert run.returncode == 1 and "[2, 4)" in run.stderr

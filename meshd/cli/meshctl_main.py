@@ -32,6 +32,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(model_dir=Path(args.model) if args.model else None)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from meshd.bench.runner import BenchConfig, main_bench
+
+    cfg = BenchConfig(model=args.model, peers=args.peers, concurrency=args.concurrency,
+                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs,
+                      workdir=Path(args.workdir) if args.workdir else None)
+    out = Path(args.out) if args.out else Path("bench-out") / f"bench-{Path(args.model).name}.json"
+    return main_bench(cfg, out)
+
+
 DEFAULT_CONTROL = "127.0.0.1:7701"
 
 
@@ -161,6 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in model split into ranges and compare with one process")
     demo.add_argument("--model", metavar="DIR", help="model directory (default: the built-in tiny model)")
     demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark the mesh against one process (docs/benchmarks.md)",
+        description="Run the standard workload on the model in this process, then through meshes of 1..k local "
+        "peers (each its own process, even pinned layer ranges); write one JSON report and print a summary.",
+    )
+    bench.add_argument("--model", default="bench", metavar="NAME|DIR",
+                       help="built-in model name or model directory (default: bench)")
+    bench.add_argument("--peers", type=_int_list, default=(1, 2, 3), metavar="LIST", help="peer counts (default 1,2,3)")
+    bench.add_argument("--concurrency", type=_int_list, default=(1, 4, 8), metavar="LIST",
+                       help="concurrent sessions, run on the largest peer count (default 1,4,8)")
+    bench.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
+    bench.add_argument("--new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    bench.add_argument("--runs", type=int, default=3, metavar="N",
+                       help="single-session runs per setup; medians are reported (default 3)")
+    bench.add_argument("--out", metavar="FILE", help="JSON report (default: bench-out/bench-MODEL.json)")
+    bench.add_argument("--workdir", metavar="DIR", help="keep peer data and logs here (default: a temporary directory)")
+    bench.set_defaults(func=_cmd_bench)
 
     peers = sub.add_parser("peers", help="list the peers this daemon knows, with role, ranges, load and RTT")
     _add_control(peers)

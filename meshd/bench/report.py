@@ -1,0 +1,147 @@
+"""The benchmark report: one JSON object with the figures of docs/benchmarks.md, and its summary table.
+
+Keys that are peer counts or concurrency levels are strings in JSON ("1", "2", ...). Seams are the
+hidden-state hops between peers (``seam_ms``, measured by the receiving peer); the entry's token
+bundles into the head peer are reported apart (``entry_*``), as they carry token ids, not hidden
+states. Time per decode step is attributed to compute (each hop's forward), seams (entry and
+hidden), and the rest (the tail's token back to the entry, the entry and the API), using the means
+over every decode step of the single-session runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from meshd.bench.baseline import BaselineResult
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _hop_profile(index: int, start_end: tuple[int, int], peer_id: str, stats: dict) -> dict:
+    seam = stats["entry_seam_ms"] if index == 0 else stats["seam_ms"]
+    compute = stats["compute_ms"]
+    return {
+        "hop": index, "peer_id": peer_id, "layers": list(start_end),
+        "compute_ms": {q: _r(compute.get(q)) for q in ("p50", "p95", "mean")} | {"count": compute["count"]},
+        "seam_in": "entry" if index == 0 else "hidden",
+        "seam_in_ms": {q: _r(seam.get(q)) for q in ("p50", "p95", "mean")} | {"count": seam["count"]},
+        "bundle_bytes_p50": stats["decode_bundle_bytes"].get("p50"),
+    }
+
+
+def _mesh_figures(mesh, baseline_tok_s: float) -> dict:
+    tok_s = statistics.median(r.decode_tok_s for r in mesh.runs)
+    hops = [_hop_profile(i, mesh.ranges[i], mesh.peer_ids[i], s) for i, s in enumerate(mesh.hop_stats)]
+    hidden = [s["seam_ms"] for s in mesh.hop_stats[1:] if s["seam_ms"]["count"]]
+    hidden_bytes = [s["decode_bundle_bytes"]["p50"] for s in mesh.hop_stats[1:] if s["decode_bundle_bytes"]["count"]]
+    entry = mesh.hop_stats[0]["entry_seam_ms"]
+    step_ms = _mean([1000 / r.decode_tok_s for r in mesh.runs if r.decode_tok_s])
+    compute_ms = sum(h["compute_ms"]["mean"] or 0.0 for h in hops)
+    seams_ms = sum(h["seam_in_ms"]["mean"] or 0.0 for h in hops)
+    return {
+        "tok_s": tok_s, "ratio": tok_s / baseline_tok_s,
+        "ttft_ms": statistics.median(r.ttft_ms for r in mesh.runs),
+        "seam": {
+            "p50": _r(_mean([s["p50"] for s in hidden])), "p95": _r(_mean([s["p95"] for s in hidden])),
+            "per_seam_p50": [_r(s["p50"]) for s in hidden], "per_seam_p95": [_r(s["p95"]) for s in hidden],
+            "entry_p50": _r(entry.get("p50")), "entry_p95": _r(entry.get("p95")),
+        },
+        "bytes": {"hidden": _mean(hidden_bytes), "entry": mesh.hop_stats[0]["decode_bundle_bytes"].get("p50")},
+        "profile": {
+            "step_ms": _r(step_ms), "compute_ms": _r(compute_ms), "seams_ms": _r(seams_ms),
+            "other_ms": _r(step_ms - compute_ms - seams_ms) if step_ms else None, "hops": hops,
+        },
+        "runs": {"tok_s": [_r(r.decode_tok_s) for r in mesh.runs], "ttft_ms": [_r(r.ttft_ms) for r in mesh.runs],
+                 "chunks": [r.chunks for r in mesh.runs]},
+    }
+
+
+def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
+    figures = {str(m.peers): _mesh_figures(m, baseline.decode_tok_s) for m in meshes}
+    largest = max(meshes, key=lambda m: m.peers)
+    top = figures[str(largest.peers)]
+    aggregate = dict(sorted(largest.aggregate_tok_s.items()))
+    gain_at = 4 if 4 in aggregate else min((c for c in aggregate if c > 1), default=None)
+    gain = aggregate[gain_at] / aggregate[1] if gain_at is not None and 1 in aggregate else None
+    return {
+        **meta,
+        "baseline_tok_s": _r(baseline.decode_tok_s),
+        "mesh_tok_s": {k: _r(f["tok_s"]) for k, f in figures.items()},
+        "ratio": {k: _r(f["ratio"], 4) for k, f in figures.items()},
+        "ttft_ms": {"baseline": _r(baseline.ttft_ms)} | {k: _r(f["ttft_ms"]) for k, f in figures.items()},
+        "seam_ms_p50": top["seam"]["p50"],
+        "seam_ms_p95": top["seam"]["p95"],
+        "seam_ms": {k: f["seam"] for k, f in figures.items()},
+        "bytes_per_token_per_seam": top["bytes"]["hidden"],
+        "bytes_per_token": {k: f["bytes"] for k, f in figures.items()},
+        "aggregate_tok_s": {str(c): _r(v) for c, v in aggregate.items()},
+        "aggregate_peers": largest.peers,
+        "batching_gain": _r(gain, 4),
+        "batching_gain_concurrency": gain_at,
+        "peer_rss_mb": {str(m.peers): [_r(v, 1) for v in m.rss_mb] for m in meshes},
+        "model_size_mb": _r(baseline.model_bytes / 2**20, 1),
+        "baseline_rss_mb": _r(baseline.rss_mb, 1),
+        "tokens_identical": all(all(m.identical) for m in meshes),
+        "tokens_identical_by_peers": {str(m.peers): all(m.identical) for m in meshes},
+        "profile": {"baseline_step_ms": _r(_mean([1000 / v for v in baseline.runs_tok_s if v]))}
+        | {k: f["profile"] for k, f in figures.items()},
+        "runs_detail": {"baseline": {"tok_s": [_r(v) for v in baseline.runs_tok_s],
+                                     "ttft_ms": [_r(v) for v in baseline.runs_ttft_ms]}}
+        | {k: f["runs"] for k, f in figures.items()},
+    }
+
+
+def write_report(path: Path, report: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_summary(report: dict) -> str:
+    lines = [
+        f"model {report['model']} ({report['model_size_mb']:.0f} MB fp32), prompt {report['prompt_tokens']} + "
+        f"{report['new_tokens']} new tokens, {report['torch_threads']} torch threads, {report['cpu_count']} CPUs",
+        "",
+        f"{'':10}{'tok/s':>9}{'ratio':>8}{'TTFT ms':>10}{'seam p50/p95 ms':>18}{'B/tok/seam':>12}"
+        f"{'step ms = compute + seams + other':>38}  {'RSS MB':<20}identical",
+    ]
+    base_step = report["profile"]["baseline_step_ms"]
+    lines.append(f"{'baseline':10}{report['baseline_tok_s']:>9.2f}{1:>8.3f}{report['ttft_ms']['baseline']:>10.1f}"
+                 f"{'-':>18}{'-':>12}{_fmt(base_step):>38}  {report['baseline_rss_mb']:<20.0f}-")
+    for k, tok_s in report["mesh_tok_s"].items():
+        seam = report["seam_ms"][k]
+        prof = report["profile"][k]
+        seams = f"{_fmt(seam['p50'], '.3f')}/{_fmt(seam['p95'], '.3f')}"
+        split = (f"{_fmt(prof['step_ms'])} = {_fmt(prof['compute_ms'])} + {_fmt(prof['seams_ms'])} + "
+                 f"{_fmt(prof['other_ms'])}")
+        rss = "/".join(f"{v:.0f}" for v in report["peer_rss_mb"][k])
+        label = f"{k} peer" + ("s" if k != "1" else "")
+        lines.append(f"{label:10}{tok_s:>9.2f}{report['ratio'][k]:>8.3f}{report['ttft_ms'][k]:>10.1f}{seams:>18}"
+                     f"{_fmt(report['bytes_per_token'][k]['hidden'], '.0f'):>12}{split:>38}  {rss:<20}"
+                     f"{'yes' if report['tokens_identical_by_peers'][k] else 'NO'}")
+    if report["aggregate_tok_s"]:
+        levels = ", ".join(f"c={c}: {v:.2f}" for c, v in report["aggregate_tok_s"].items())
+        gain = report["batching_gain"]
+        lines += ["", f"aggregate tok/s with {report['aggregate_peers']} peers: {levels}"
+                  + (f"; batching gain (c={report['batching_gain_concurrency']} / c=1) {gain:.2f}x" if gain else "")]
+    k = max(report["mesh_tok_s"], key=int)
+    hops = report["profile"][k]["hops"]
+    lines += ["", f"per hop, {k} peers (decode step means, ms):"]
+    for hop in hops:
+        lines.append(f"  hop {hop['hop']} layers [{hop['layers'][0]},{hop['layers'][1]}): compute "
+                     f"{_fmt(hop['compute_ms']['mean'], '.3f')}, {hop['seam_in']} seam in "
+                     f"{_fmt(hop['seam_in_ms']['mean'], '.3f')}, {_fmt(hop['bundle_bytes_p50'], '.0f')} B/bundle")
+    lines.append(f"tokens identical to the baseline: {'yes' if report['tokens_identical'] else 'NO'}")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Run the benchmark: the baseline in this process, then meshes of 1..k peers on loopback.
+
+Each mesh is real ``meshd run`` processes (:class:`~meshd.daemon.local_mesh.LocalMesh`) with pinned,
+even layer ranges, asked through the head peer's OpenAI API exactly as a user would. Peers run with
+this process's torch thread count, so the mesh and the baseline compute with the same threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from meshd import __version__
+from meshd.bench.baseline import BaselineResult, run_baseline
+from meshd.bench.report import build_report
+from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
+from meshd.cli.demo import even_ranges
+from meshd.daemon.local_mesh import LocalMesh, LocalMeshError
+from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
+
+Say = Callable[[str], None]
+
+PEER_START_TIMEOUT_S = 180.0
+COVER_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str  # a built-in model's name or a model directory
+    peers: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    prompt_tokens: int
+    new_tokens: int
+    runs: int = 3
+    workdir: Path | None = None
+
+
+@dataclass
+class MeshResult:
+    """One mesh of ``peers`` processes: its single-session runs, /stats per hop and memory."""
+
+    peers: int
+    ranges: list[tuple[int, int]]
+    runs: list[StreamTiming]
+    identical: list[bool]
+    hop_stats: list[dict]  # each hop's /stats after the single-session runs, in route order
+    peer_ids: list[str]
+    rss_mb: list[float]
+    aggregate_tok_s: dict[int, float] = field(default_factory=dict)
+
+
+def resolve_model(spec: str, say: Say) -> Path:
+    """A built-in model by name (created if missing) or an existing model directory."""
+    if spec in BUILTIN_MODELS:
+        target = default_model_dir(spec)
+        if not (target / "config.json").is_file():
+            say(f"creating built-in model {spec!r} in {target}")
+        return ensure_builtin(spec, target)
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise BenchError(f"{spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                         "nor a model directory with a config.json")
+    return path
+
+
+def run_bench(cfg: BenchConfig, say: Say) -> dict:
+    """Measure everything and return the report object (see :func:`meshd.bench.report.build_report`)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+    if cfg.runs < 1 or cfg.new_tokens < 2 or cfg.prompt_tokens < 1:
+        raise BenchError("--runs and --prompt-tokens must be at least 1, --new-tokens at least 2")
+    model_dir = resolve_model(cfg.model, say)
+    model_id = model_dir.name
+    n_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    if max(cfg.peers) > n_layers:
+        raise BenchError(f"{model_id} has {n_layers} layers; it cannot be split over {max(cfg.peers)} peers")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = build_prompt(tokenizer, cfg.prompt_tokens)
+    if len(prompt.ids) != cfg.prompt_tokens:
+        say(f"note: no text encodes to exactly {cfg.prompt_tokens} tokens; using {len(prompt.ids)}")
+
+    load_start = os.getloadavg()
+    if load_start[0] > 0.5:
+        say(f"note: 1-minute load average is {load_start[0]:.2f} before starting; other work skews the figures")
+    say(f"baseline: {model_id} in this process, {torch.get_num_threads()} torch threads, "
+        f"{len(prompt.ids)} prompt + {cfg.new_tokens} new tokens, {cfg.runs} runs")
+    baseline = run_baseline(model_dir, prompt.ids, cfg.new_tokens, runs=cfg.runs)
+    expected = tokenizer.decode(baseline.token_ids, skip_special_tokens=True)
+    say(f"baseline: {baseline.decode_tok_s:.2f} tok/s, TTFT {baseline.ttft_ms:.1f} ms")
+
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+    meshes: list[MeshResult] = []
+    try:
+        for k in sorted(cfg.peers):
+            levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+            meshes.append(_measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                        baseline, cfg, workdir / f"peers{k}", levels, say))
+    except Exception:
+        say(f"peer logs kept in {workdir}")
+        raise
+    if cfg.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    meta = {
+        "model": model_id, "model_dir": str(model_dir), "prompt_tokens": len(prompt.ids),
+        "prompt_tokens_requested": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
+        "torch_threads": baseline.torch_threads, "cpu_count": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False), "meshd_version": __version__,
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        # other work on the machine skews every figure; the 1-minute load at the start and at the end
+        "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+    }
+    return build_report(meta, baseline, meshes)
+
+
+def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
+                  expected: str, baseline: BaselineResult, cfg: BenchConfig, workdir: Path,
+                  levels: list[int], say: Say) -> MeshResult:
+    from openai import OpenAI
+
+    env = {"OMP_NUM_THREADS": str(baseline.torch_threads)}
+    with LocalMesh(workdir, log_level="warning", env=env) as mesh:
+        say(f"mesh of {k}: starting peers with layers {', '.join(f'[{s},{e})' for s, e in ranges)}")
+        started = time.monotonic()
+        peers = mesh.start_peers([{"model": model_dir, "layers": r} for r in ranges], timeout=PEER_START_TIMEOUT_S)
+        mesh.wait_covered(model_id, timeout=COVER_TIMEOUT_S)
+        say(f"mesh of {k}: covered after {time.monotonic() - started:.1f}s")
+        hops = sorted(peers, key=lambda p: p.get("/status")["range"][0])
+        client = OpenAI(base_url=f"http://{peers[0].api}/v1", api_key="meshd", timeout=REQUEST_TIMEOUT_S,
+                        max_retries=0)
+
+        def request(max_tokens: int) -> StreamTiming:
+            return stream_completion(client, model_id, prompt.text, max_tokens)
+
+        def matches(run: StreamTiming) -> bool:
+            return run.text == expected and run.completion_tokens == cfg.new_tokens
+
+        request(min(4, cfg.new_tokens))  # warm-up: connections, routes, first-call allocations
+        for hop in hops:
+            hop.get("/stats?reset=1")
+        runs: list[StreamTiming] = []
+        for i in range(cfg.runs):
+            runs.append(request(cfg.new_tokens))
+            say(f"mesh of {k}: run {i + 1}/{cfg.runs}: {runs[-1].decode_tok_s:.2f} tok/s, "
+                f"TTFT {runs[-1].ttft_ms:.1f} ms, {'identical' if matches(runs[-1]) else 'DIFFERENT'}")
+        identical = [matches(r) for r in runs]
+        hop_stats = [hop.get("/stats") for hop in hops]
+        rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in peers]
+        result = MeshResult(k, ranges, runs, identical, hop_stats, [h.peer_id for h in hops], rss_mb)
+
+        for c in levels:
+            with ThreadPoolExecutor(max_workers=c) as pool:
+                t0 = time.perf_counter()
+                done = list(pool.map(lambda _i: request(cfg.new_tokens), range(c)))
+                wall = time.perf_counter() - t0
+            result.aggregate_tok_s[c] = sum(r.completion_tokens for r in done) / wall
+            result.identical += [matches(r) for r in done]
+            same = sum(matches(r) for r in done)
+            say(f"mesh of {k}: concurrency {c}: {result.aggregate_tok_s[c]:.2f} tok/s aggregate "
+                f"over {wall:.1f}s, {same}/{c} identical")
+        say(f"mesh of {k}: stopping")
+    return result
+
+
+def main_bench(cfg: BenchConfig, out: Path) -> int:
+    """The ``meshctl bench`` command: run, write the JSON, print the table; 1 if tokens differ."""
+    from openai import APIError
+
+    from meshd.bench.report import format_summary, write_report
+
+    def say(message: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    try:
+        report = run_bench(cfg, say)
+    except (BenchError, LocalMeshError, APIError) as exc:
+        print(f"meshctl bench: {exc}", file=sys.stderr)
+        return 1
+    write_report(out, report)
+    say(f"wrote {out}")
+    print(format_summary(report))
+    if not report["tokens_identical"]:
+        print("meshctl bench: the mesh's tokens differ from the baseline's", file=sys.stderr)
+        return 1
+    return 0

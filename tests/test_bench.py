@@ -1,0 +1,56 @@
+"""``meshctl bench`` end to end on the tiny model: a complete report, and the mesh's tokens equal the baseline's.
+
+No figure is checked against a speed: the machines are shared (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOP_LEVEL = (
+    "model", "prompt_tokens", "new_tokens", "torch_threads", "cpu_count", "meshd_version", "date",
+    "baseline_tok_s", "mesh_tok_s", "ratio", "ttft_ms", "seam_ms_p50", "seam_ms_p95", "seam_ms",
+    "bytes_per_token_per_seam", "aggregate_tok_s", "batching_gain", "peer_rss_mb", "model_size_mb",
+    "baseline_rss_mb", "tokens_identical", "profile",
+)
+
+
+@pytest.mark.slow
+def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
+    out = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl_main", "bench", "--model", str(tiny_model), "--peers", "1,2",
+         "--concurrency", "1,2", "--prompt-tokens", "16", "--new-tokens", "16", "--runs", "2",
+         "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=240, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+
+    assert [k for k in TOP_LEVEL if k not in report] == []
+    assert report["model"] == "tiny"
+    assert report["prompt_tokens"] == 16 and report["new_tokens"] == 16
+    assert report["tokens_identical"] is True
+    assert report["tokens_identical_by_peers"] == {"1": True, "2": True}
+    for key in ("baseline_tok_s", "seam_ms_p50", "seam_ms_p95", "bytes_per_token_per_seam", "batching_gain",
+                "model_size_mb", "baseline_rss_mb", "torch_threads"):
+        assert report[key] > 0, key
+    for table in ("mesh_tok_s", "ratio"):
+        assert set(report[table]) == {"1", "2"} and all(v > 0 for v in report[table].values()), table
+    assert set(report["ttft_ms"]) == {"baseline", "1", "2"} and all(v > 0 for v in report["ttft_ms"].values())
+    assert set(report["aggregate_tok_s"]) == {"1", "2"} and all(v > 0 for v in report["aggregate_tok_s"].values())
+    assert report["batching_gain_concurrency"] == 2
+    assert [len(report["peer_rss_mb"][k]) for k in ("1", "2")] == [1, 2]
+    assert all(v > 0 for values in report["peer_rss_mb"].values() for v in values)
+    assert report["seam_ms"]["1"]["p50"] is None  # one peer: no hidden-state seam, only the entry's
+    assert report["seam_ms"]["1"]["entry_p50"] > 0
+    hops = report["profile"]["2"]["hops"]
+    assert [h["layers"] for h in hops] == [[0, 2], [2, 4]]
+    assert all(h["compute_ms"]["count"] > 0 and h["compute_ms"]["p50"] > 0 for h in hops)
+    assert "tokens identical to the baseline: yes" in run.stdout
+    assert "mesh of 2: concurrency 2" in run.stderr
