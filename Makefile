@@ -17,14 +17,14 @@ demo: $(STAMP)
 	$(BIN)/meshctl demo
 
 test: $(STAMP)
-	$(BIN)/ruff check meshd tests
+	$(BIN)/ruff check meshd tests relay
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow'
 
 lint: $(STAMP)
-	$(BIN)/ruff check meshd tests
+	$(BIN)/ruff check meshd tests relay
 
 # Regenerate the protobuf modules from proto/; tests fail when the committed ones differ.
 proto: $(STAMP)

@@ -98,6 +98,28 @@ class Overloaded(ApiError):
         self.reason = reason
 
 
+class RouteFailed(ApiError):
+    """A generation could not be repaired within its attempts and time; names the last cause."""
+
+    status = 503
+    type = "server_error"
+    code = "route_failed"
+
+    def __init__(self, cause: str, *, retry_after: float = 2.0) -> None:
+        super().__init__(f"The generation failed and could not be repaired: {cause}", retry_after=retry_after)
+
+
+class DeadlineExceeded(ApiError):
+    """The request ran past the peer's request deadline; its session was released everywhere."""
+
+    status = 504
+    type = "server_error"
+    code = "deadline_exceeded"
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"The request did not finish within {seconds:g} s.")
+
+
 class InternalError(ApiError):
     """Anything unexpected; the client sees a fixed message, the log gets the traceback."""
 

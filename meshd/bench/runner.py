@@ -144,7 +144,8 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
                   levels: list[int], say: Say) -> MeshResult:
     from openai import OpenAI
 
-    env = {"OMP_NUM_THREADS": str(baseline.torch_threads)}
+    threads = str(baseline.torch_threads)
+    env = {"MESHD_TORCH_THREADS": threads, "OMP_NUM_THREADS": threads}
     with LocalMesh(workdir, log_level="warning", env=env) as mesh:
         say(f"mesh of {k}: starting peers with layers {', '.join(f'[{s},{e})' for s, e in ranges)}")
         started = time.monotonic()

@@ -52,6 +52,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return main_bench(cfg, out)
 
 
+def _cmd_bench_relay(args: argparse.Namespace) -> int:
+    from meshd.bench.relay import main_bench_relay
+
+    return main_bench_relay(args)
+
+
 DEFAULT_CONTROL = "127.0.0.1:7701"
 
 
@@ -87,6 +93,14 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _reach(peer: dict) -> str:
+    """``direct``, or ``relay HOST:PORT`` for a peer reached only through a relay."""
+    via = peer.get("relayed_via") or []
+    if via:
+        return "relay " + ",".join(v.removeprefix("relay:") for v in via)
+    return "direct" if peer.get("addresses") else "-"
+
+
 def _cmd_peers(args: argparse.Namespace) -> int:
     peers = control_get(args, "/peers")["peers"]
     if args.json:
@@ -98,12 +112,12 @@ def _cmd_peers(args: argparse.Namespace) -> int:
                            for m in p["models"]) or "-"
         rows.append([
             p["peer_id"][:12] + ("*" if p.get("self") else ""), p.get("name") or "-",
-            ",".join(p.get("addresses") or []) or "-", "tracker" if p.get("tracker") else "peer",
+            ",".join(p.get("addresses") or []) or "-", _reach(p), "tracker" if p.get("tracker") else "peer",
             p.get("state", "-"), models, f"{p.get('active_sessions', 0)}/{p.get('queued', 0)}",
             "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
             _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
         ])
-    print(_table(rows, ["PEER", "NAME", "ADDRESSES", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
+    print(_table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
                         "LAST SEEN", "CARD AGE"]))
     return 0
 
@@ -199,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="FILE", help="JSON report (default: bench-out/bench-MODEL.json)")
     bench.add_argument("--workdir", metavar="DIR", help="keep peer data and logs here (default: a temporary directory)")
     bench.set_defaults(func=_cmd_bench)
+
+    bench_relay = sub.add_parser(
+        "bench-relay", help="seam latency p50/p95 through a meshd-relay vs direct, JSON report",
+        description="Start a local relay and an echo peer reachable both directly and through the relay; time "
+        "decode-step and prefill-chunk round trips over each link in the same run. --decode also measures "
+        "decode tok/s of a model on two peers, tail direct vs relayed.",
+    )
+    from meshd.bench.relay import add_arguments as _bench_relay_arguments
+
+    _bench_relay_arguments(bench_relay)
+    bench_relay.set_defaults(func=_cmd_bench_relay)
 
     peers = sub.add_parser("peers", help="list the peers this daemon knows, with role, ranges, load and RTT")
     _add_control(peers)

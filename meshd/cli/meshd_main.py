@@ -13,6 +13,22 @@ import trio
 
 from meshd.errors import MeshError
 
+# Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
+# roughly 100 000 per ms), longer than the gaps between a step's regions, short next to a step.
+OMP_SPIN_COUNT = 10000
+
+
+def apply_torch_threads(threads: int) -> int:
+    """Set torch's compute threads for this process (0: every CPU it may run on); returns the count.
+
+    The compute thread of the shard host picks this up for its parallel regions.
+    """
+    import torch
+
+    count = threads if threads > 0 else len(os.sched_getaffinity(0))
+    torch.set_num_threads(count)
+    return count
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,12 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--control", metavar="HOST:PORT", help="meshctl control API (default 127.0.0.1:7701)")
     run.add_argument("--bootstrap", action="append", metavar="HOST:PORT",
                      help="a peer to join through (repeatable)")
+    run.add_argument("--relay", dest="relays", action="append", metavar="HOST:PORT",
+                     help="a meshd-relay to register with when not directly dialable (repeatable)")
+    run.add_argument("--reachability", choices=["auto", "direct", "relayed"],
+                     help="auto: let other peers test whether we can be dialled (default); direct: always "
+                     "advertise --advertise; relayed: advertise only relay addresses")
     run.add_argument("--model", metavar="DIR", help="Hugging Face model directory this peer can serve")
     run.add_argument("--model-id", help="the model's name in the API (default: directory name)")
     run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
     run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
     run.add_argument("--kv-budget", metavar="SIZE", help="bytes of KV state across sessions (e.g. 1GiB)")
     run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 128)")
+    run.add_argument("--torch-threads", type=int, metavar="N",
+                     help="threads for model compute (default 0: every CPU this process may use)")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -51,19 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    # A peer shares its machine with other work (often other peers): OpenMP threads that spin after
-    # each step would steal the cores the next hop needs. Set before torch is imported; an operator's
-    # own setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP threads waiting between the parallel regions of a step should spin a little (waking a
+    # sleeping thread costs more than many decode-sized regions) but not long: a peer shares its cores
+    # with other work, often other peers, and a thread spinning after its step steals the cores the
+    # next hop needs. A bounded spin does both (docs/benchmarks.md has the measurements). Set before
+    # torch is imported; an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
     from meshd.daemon.config import load_config
     from meshd.daemon.peer import Peer
 
     overrides = {
         "data_dir": args.data_dir, "name": args.name, "listen": args.listen, "advertise": args.advertise,
         "api": args.api, "control": args.control, "bootstrap": args.bootstrap, "model": args.model,
+        "relays": args.relays, "reachability": args.reachability,
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
-        "log_level": args.log_level, "ready_file": args.ready_file,
+        "log_level": args.log_level, "ready_file": args.ready_file, "torch_threads": args.torch_threads,
     }
     try:
         config = load_config(args.config, overrides)
@@ -72,6 +99,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("meshd").info("compute uses %d torch threads", apply_torch_threads(config.torch_threads))
     for noisy in ("hpack", "h2", "httpx", "httpx2", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -81,7 +109,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 await nursery.start(peer.run)
                 async for signum in signals:
-                    logging.getLogger("meshd").info("received %s; shutting down", signal.Signals(signum).name)
+                    logging.getLogger("meshd").info("received %s; leaving the mesh", signal.Signals(signum).name)
+                    async with trio.open_nursery() as leaving:
+
+                        async def drain_then_stop(scope: trio.CancelScope = leaving.cancel_scope) -> None:
+                            await peer.leave()
+                            scope.cancel()
+
+                        leaving.start_soon(drain_then_stop)
+                        async for _again in signals:  # a second signal skips the drain
+                            logging.getLogger("meshd").info("second signal: stopping now")
+                            break
+                        leaving.cancel_scope.cancel()
                     nursery.cancel_scope.cancel()
                     break
 

@@ -6,27 +6,11 @@ need. The object is built once at start-up and passed down; nothing reads settin
 
 from __future__ import annotations
 
-import os
-import re
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 1024**2,
-          "mib": 1024**2, "g": 1e9, "gb": 1e9, "gi": 1024**3, "gib": 1024**3, "t": 1e12, "tb": 1e12,
-          "ti": 1024**4, "tib": 1024**4}
-
-
-def parse_size(text: str | int) -> int:
-    """``"512MiB"``, ``"2GB"``, ``"1048576"`` -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GB, 1048576)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from meshd.settings import layered_settings, parse_size
 
 
 def parse_range(text: str | None) -> tuple[int, int] | None:
@@ -58,6 +42,7 @@ class PeerConfig:
     memory_budget: int = 8 * 1024**3        # bytes of weights this peer may load
     kv_budget: int = 1024**3                # bytes of KV state across sessions
     chunk_tokens: int = 128                 # prefill chunk size
+    torch_threads: int = 0                  # compute threads (torch intra-op); 0: every CPU we may use
     tracker_eligible: bool = True
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 0.4
@@ -65,7 +50,16 @@ class PeerConfig:
     pushpull_interval_s: float = 0.5
     lease_duration_s: float = 3.0
     card_ttl_s: float = 30.0
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = 30.0            # a hop that sends nothing for this long has failed
+    request_timeout_s: float = 600.0        # a whole request's deadline
+    repair_attempts: int = 5                # routes tried for one generation before giving up
+    repair_budget_s: float = 60.0           # time spent repairing one generation before giving up
+    max_sessions: int = 64                  # sessions this peer's shard admits at once
+    max_queue: int = 32                     # steps waiting for compute before new sessions are refused
+    drain_timeout_s: float = 30.0           # on SIGTERM: how long running sessions may take to finish
+    relays: list[str] = field(default_factory=list)  # meshd-relay servers ("host:port") to register with
+    reachability: str = "auto"              # "auto" (dial-back test), "direct" or "relayed"
+    reachability_interval_s: float = 30.0   # how often "auto" re-checks that others can dial us
     log_level: str = "info"
     ready_file: Path | None = None          # written (JSON status) once every listener is up
 
@@ -78,35 +72,17 @@ _CONVERTERS: dict[str, Any] = {
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
     "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": lambda v: list(v) if v else [],
+    "relays": lambda v: list(v) if v else [], "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
 }
+
+
+def _choice(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+    return value
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> PeerConfig:
     """Defaults, then the TOML file, then ``MESHD_*`` environment variables, then ``overrides``."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        with Path(path).open("rb") as f:
-            values.update(tomllib.load(f))
-    known = {f.name for f in fields(PeerConfig)}
-    for name in known:
-        env = os.environ.get(f"MESHD_{name.upper()}")
-        if env is not None:
-            values[name] = env.split(",") if name == "bootstrap" else env
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    unknown = set(values) - known
-    if unknown:
-        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
-    config = PeerConfig()
-    for name, value in values.items():
-        default = getattr(config, name)
-        convert = _CONVERTERS.get(name)
-        if convert is not None:
-            value = convert(value)
-        elif isinstance(default, bool) and isinstance(value, str):
-            value = value.lower() in ("1", "true", "yes", "on")
-        elif isinstance(default, float):
-            value = float(value)
-        elif isinstance(default, int) and not isinstance(default, bool):
-            value = int(value)
-        setattr(config, name, value)
-    return config
+    return PeerConfig(**layered_settings(PeerConfig, path, "MESHD_", overrides, _CONVERTERS,
+                                         list_fields=("bootstrap", "relays")))

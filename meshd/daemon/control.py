@@ -7,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from meshd.session.hop import percentiles
 from meshd.tracker.routing import NoRouteError
 
 
@@ -34,8 +35,14 @@ def build_control_app(peer) -> Starlette:
 
     async def stats(request: Request) -> JSONResponse:
         summary = peer.hops.stats.summary()
+        summary["repair_ms"] = {pos: percentiles(v) for pos, v in peer.repair_ms.items()}
+        if peer.host is not None:
+            summary["batches"] = peer.host.batcher.stats.summary()
         if request.query_params.get("reset"):
             peer.hops.stats.reset()
+            peer.repair_ms.clear()
+            if peer.host is not None:
+                peer.host.batcher.stats.reset()
         return JSONResponse(summary)
 
     return Starlette(routes=[

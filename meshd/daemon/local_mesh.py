@@ -62,6 +62,38 @@ class LocalPeer:
             return ""
 
 
+@dataclass
+class LocalRelay:
+    """A ``meshd-relay`` process on loopback, with its Prometheus metrics at hand."""
+
+    process: subprocess.Popen
+    log_path: Path
+    ready_file: Path
+    port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def metrics(self, timeout: float = 5.0) -> dict[str, float]:
+        """Every sample as ``name{labels}`` -> value."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=timeout) as resp:
+            text = resp.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
 def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
     """Memory budgets that make placement split the model into ``parts`` contiguous ranges."""
     info = describe_model(model_dir)
@@ -77,6 +109,7 @@ class LocalMesh:
         self.log_level = log_level
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.peers: list[LocalPeer] = []
+        self.relays: list[LocalRelay] = []
 
     def __enter__(self) -> LocalMesh:
         return self
@@ -115,6 +148,39 @@ class LocalMesh:
         if wait:
             self._wait_ready(peer, timeout)
         return peer
+
+    def start_relay(self, *, port: int = 0, extra: list[str] | None = None, timeout: float = 30.0) -> LocalRelay:
+        """A relay on loopback (``port`` 0: the kernel picks), metrics on a port of its own."""
+        index = len(self.relays)
+        workdir = self.workdir / f"relay{index}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        ready = workdir / "ready.json"
+        ready.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "meshd_relay", "--listen", f"127.0.0.1:{port}", "--metrics", "127.0.0.1:0",
+                "--ready-file", str(ready), "--log-format", "text", "--log-level", self.log_level, *(extra or [])]
+        log_path = workdir / "relay.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+        relay = LocalRelay(process, log_path, ready)
+        self.relays.append(relay)
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise LocalMeshError(f"relay{index} did not start ({process.poll()}):\n{relay.log_tail()}")
+            time.sleep(0.05)
+        ports = json.loads(ready.read_text())
+        relay.port, relay.metrics_port = ports["port"], ports["metrics_port"]
+        return relay
+
+    def stop_relay(self, relay: LocalRelay, grace: float = 10.0) -> None:
+        if relay.process.poll() is None:
+            relay.process.send_signal(signal.SIGTERM)
+            try:
+                relay.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                relay.process.kill()
+                relay.process.wait(timeout=5)
 
     def _wait_ready(self, peer: LocalPeer, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -185,4 +251,6 @@ class LocalMesh:
                 peer.process.kill()
                 peer.process.wait(timeout=5)
             exit_times[peer.index] = time.monotonic() - started
+        for relay in self.relays:
+            self.stop_relay(relay, grace=max(0.1, grace - (time.monotonic() - started)))
         return exit_times

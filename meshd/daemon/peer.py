@@ -27,6 +27,7 @@ from meshd.api.openai_server import build_app, serve_asgi
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
+from meshd.daemon.reachability import DIALBACK_PATH, Reachability, dial_address, relayed_through
 from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged
 from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.gossip.events import Address as SeedAddress
@@ -34,7 +35,7 @@ from meshd.identity import Identity
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo, compat_key_of, describe_model, read_small_files, tokenizer_digest_of
 from meshd.session import messages as seam
-from meshd.session.hop import HopService
+from meshd.session.hop import AdmissionLimits, HopService
 from meshd.tracker.placement import place
 from meshd.tracker.routing import NoRouteError, plan_route
 from meshd.tracker.view import Route, ShardOffer
@@ -75,6 +76,11 @@ class Peer:
                                   kv_budget_bytes=config.kv_budget)
         self.decode_tok_s = 0.0
         self.transport = Transport(self.identity)
+        self.reachability = Reachability(config, self.transport, self.identity, on_change=lambda: self.republish_card())
+        self.hops = HopService(self.peer_id, self.transport, self.host,
+                               self.model.model_id if self.model else None,
+                               self.model.compat_key if self.model else None,
+                               AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue))
         self.gossip = GossipNode.with_key(
             self.signing_key, self._card_template(),
             GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
@@ -91,9 +97,10 @@ class Peer:
                            max_jitter=lease / 2),
             signing_key=self.signing_key,
         )
-        self.hops = HopService(self.peer_id, self.transport, self.host,
-                               self.model.model_id if self.model else None,
-                               self.model.compat_key if self.model else None)
+        self.leaving = False
+        self.entry_sessions = 0
+        self._met_mesh_at: float | None = None
+        self.repair_ms: dict[str, list[float]] = {}  # by the lost hop's position in the route
         self.rtt_ms: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
         self.api_port: int | None = None
@@ -113,7 +120,8 @@ class Peer:
         cfg = self.config
         card = cpb.CapabilityCard(
             name=cfg.name or self.peer_id[:8],
-            addresses=[cfg.advertised],
+            addresses=self.reachability.direct_addresses(),
+            relay_addresses=self.reachability.relay_addresses(),
             api_address=cfg.api,
             hardware=cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu",
                                   cpu_count=os.cpu_count() or 1),
@@ -131,7 +139,7 @@ class Peer:
                 context_length=self._context_length_local(),
             ))
         if self.host is not None:
-            card.load.CopyFrom(cpb.Load(active_sessions=self.host.active_sessions, queued=0))
+            card.load.CopyFrom(cpb.Load(active_sessions=self.hops.active_sessions, queued=self.hops.queued))
             card.kv_free_bytes = self.host.kv_free_bytes
         return card
 
@@ -161,7 +169,7 @@ class Peer:
                     memory_budget_bytes=c.memory_budget_bytes,
                     range=(m.range_start, m.range_end) if placed else None,
                     ms_per_layer=ms_per_layer, active_sessions=c.load.active_sessions, queued=c.load.queued,
-                    relayed=relayed,
+                    relayed=relayed, pinned=m.pinned,
                 ))
         return out
 
@@ -186,15 +194,40 @@ class Peer:
         return 2048
 
     def _rtt_of(self, peer_id: str) -> float:
-        return 0.0 if peer_id == self.peer_id else self.rtt_ms.get(peer_id, 1.0)
+        return 0.0 if peer_id == self.peer_id else self.rtt_ms.get(peer_id)
+
+    def _dialback_helpers(self) -> list[tuple[str, str]]:
+        alive = {p for p, state in self.gossip.members().items() if state == MemberState.ALIVE}
+        return [(p, a) for p in sorted(alive) if (a := self._address_of(p)) is not None]
 
     def _address_of(self, peer_id: str) -> str | None:
         card = self.gossip.live_cards().get(peer_id)
-        if card is None or not card.card.addresses:
-            return None
-        return card.card.addresses[0]
+        return None if card is None else dial_address(card.card)
 
     # -- routes ------------------------------------------------------------------------------------
+
+    def is_alive(self, peer_id: str) -> bool:
+        """Gossip's verdict, for sessions in flight: only a peer declared dead fails them (a leaving
+        peer is still draining its running sessions)."""
+        return peer_id == self.peer_id or self.gossip.members().get(peer_id) != MemberState.DEAD
+
+    async def leave(self) -> None:
+        """Graceful leave: announce it, refuse new sessions, let running ones finish (bounded)."""
+        if self.leaving:
+            return
+        self.leaving = True
+        self.hops.leaving = True
+        log.info("leaving the mesh: draining %d hop and %d entry sessions (at most %.0fs)",
+                 self.hops.active_sessions, self.entry_sessions, self.config.drain_timeout_s)
+        await self._perform(self.gossip.leave(time.time()))
+        with trio.move_on_after(self.config.drain_timeout_s) as scope:
+            while self.hops.active_sessions or self.entry_sessions:
+                await trio.sleep(0.05)
+        if scope.cancelled_caught:
+            log.warning("drain timeout: %d hop and %d entry sessions still running; their entries will repair",
+                        self.hops.active_sessions, self.entry_sessions)
+        else:
+            log.info("drained")
 
     def mark_unreachable(self, peer_id: str) -> None:
         """Keep routes away from a peer that just failed to answer, until gossip decides about it."""
@@ -206,24 +239,26 @@ class Peer:
         suspects = {p for p, state in self.gossip.members().items() if state != MemberState.ALIVE}
         return frozenset(recent | suspects)
 
-    async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[Route, dict, str]:
-        """A route avoiding suspected peers when possible: from the tracker, or planned locally when no
-        tracker answers in time."""
+    async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
+                        keep: frozenset[str] = frozenset()) -> tuple[Route, dict, str]:
+        """A route avoiding suspected peers when possible (and favouring ``keep``, the peers that hold
+        a session being repaired): from the tracker, or planned locally when no tracker answers in time."""
         avoid = exclude | self._avoided()
         if avoid != exclude:
             try:
-                return await self._route_for(model_id, avoid)
+                return await self._route_for(model_id, avoid, keep)
             except NoRouteError:
                 pass
-        return await self._route_for(model_id, exclude)
+        return await self._route_for(model_id, exclude, keep)
 
-    async def _route_for(self, model_id: str, exclude: frozenset[str]) -> tuple[Route, dict, str]:
+    async def _route_for(self, model_id: str, exclude: frozenset[str],
+                         keep: frozenset[str] = frozenset()) -> tuple[Route, dict, str]:
         now = time.time()
         tracker = self.election.tracker(now)
         route = None
         source = "local"
         if tracker is not None and tracker != self.peer_id and self._address_of(tracker):
-            body = json.dumps({"model": model_id, "exclude": sorted(exclude)}).encode()
+            body = json.dumps({"model": model_id, "exclude": sorted(exclude), "keep": sorted(keep)}).encode()
             try:
                 with trio.fail_after(ROUTE_ASK_TIMEOUT_S):
                     reply = await self.transport.request(tracker, seam.split_address(self._address_of(tracker)),
@@ -237,7 +272,8 @@ class Peer:
         elif tracker == self.peer_id:
             source = "tracker (self)"
         if route is None:
-            route = plan_route(model_id, self.offers(), self._rtt_of, epoch=next(self._epochs), exclude=exclude)
+            route = plan_route(model_id, self.offers(), self._rtt_of, epoch=next(self._epochs), exclude=exclude,
+                               keep=keep)
         addresses = {}
         for hop in route.hops:
             address = self._address_of(hop.peer_id)
@@ -297,7 +333,7 @@ class Peer:
             await self.hops.handle_seam(stream)
         elif path == seam.RESULTS_PATH:
             await self.hops.handle_results(stream)
-        elif path in (GOSSIP_PATH, ROUTE_PATH, PLACE_PATH, TOKENIZER_PATH):
+        elif path in (GOSSIP_PATH, ROUTE_PATH, PLACE_PATH, TOKENIZER_PATH, DIALBACK_PATH):
             await self._handle_unary(stream)
         else:
             await stream.reset()
@@ -325,6 +361,8 @@ class Peer:
                 reply = await self._accept_placement(sender, json.loads(body))
             elif path == TOKENIZER_PATH:
                 reply = self._serve_tokenizer(json.loads(body))
+            elif path == DIALBACK_PATH:
+                reply = await self.reachability.serve_dialback(sender, json.loads(body))
         except Exception as exc:
             log.warning("%s from %s rejected: %s", path, sender[:12], exc)
             reply = json.dumps({"error": str(exc)}).encode()
@@ -335,7 +373,7 @@ class Peer:
         model_id = str(req["model"])
         try:
             route = plan_route(model_id, self.offers(), self._rtt_of, epoch=next(self._epochs),
-                               exclude=frozenset(req.get("exclude", [])))
+                               exclude=frozenset(req.get("exclude", [])), keep=frozenset(req.get("keep", [])))
         except NoRouteError as exc:
             return json.dumps({"error": str(exc), "missing": exc.missing}).encode()
         return json.dumps(_route_to_json(route)).encode()
@@ -368,7 +406,7 @@ class Peer:
 
     async def _load(self, start: int, end: int) -> None:
         await self.host.load(start, end)
-        self.decode_tok_s = await trio.to_thread.run_sync(_measure_decode, self.host)
+        self.decode_tok_s = await self.host.run_sync(_measure_decode, self.host)
         self.republish_card()
 
     # -- gossip I/O --------------------------------------------------------------------------------
@@ -413,8 +451,9 @@ class Peer:
         while True:
             now = time.time()
             await self._perform(self.gossip.tick(now))
+            self.hops.purge_retained()
             alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
-            self.election.eligible = self.config.tracker_eligible and self._joined(now)
+            self.election.eligible = self.config.tracker_eligible and not self.leaving and self._joined(now)
             await self._perform(self.election.tick(now, alive_eligible))
             if self.election.tracker(now) == self.peer_id:
                 self._tracker_duties(now)
@@ -429,8 +468,11 @@ class Peer:
         waiting), so that it does not elect itself and place its own layers in isolation."""
         if not self.config.bootstrap:
             return True
-        if any(state == MemberState.ALIVE for state in self.gossip.members().values()):
-            return True
+        if self._met_mesh_at is None and any(s == MemberState.ALIVE for s in self.gossip.members().values()):
+            self._met_mesh_at = now
+        if self._met_mesh_at is not None:
+            # give the current tracker's lease one gossip round to arrive before competing with it
+            return now - self._met_mesh_at > 2 * self.config.pushpull_interval_s
         return now - self.started_at > 2 * self.config.lease_duration_s
 
     def _card_changed(self) -> bool:
@@ -439,6 +481,7 @@ class Peer:
             return True
         fresh = self._card_template()
         return (own.card.load.active_sessions != fresh.load.active_sessions
+                or own.card.load.queued != fresh.load.queued
                 or list(own.card.models) != list(fresh.models))
 
     def _tracker_duties(self, now: float) -> None:
@@ -495,6 +538,7 @@ class Peer:
             "models_covered": self.covered_models(),
             "rejected_cards": {str(k): v for k, v in self.gossip.rejected_cards.items()},
             "uptime_s": round(now - self.started_at, 1),
+            "reachability": self.reachability.status(),
         }
 
     def takeover_bound_s(self) -> float:
@@ -512,6 +556,7 @@ class Peer:
             rows.append({
                 "peer_id": peer_id, "self": peer_id == self.peer_id, "name": c.name,
                 "addresses": list(c.addresses), "relays": list(c.relay_addresses), "api": c.api_address,
+                "relayed_via": relayed_through(c), "link": self.transport.connection_route(peer_id),
                 "tracker": peer_id == tracker,
                 "state": "self" if peer_id == self.peer_id else members.get(peer_id, MemberState.ALIVE).name,
                 "models": [{"model_id": m.model_id, "start": m.range_start, "end": m.range_end,
@@ -548,6 +593,7 @@ class Peer:
                     self._load_started = True
                     nursery.start_soon(self._load, *cfg.layers)
                 nursery.start_soon(self._tick_loop)
+                nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
                 log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, cfg.advertised,
                          cfg.api, f"{ctl_host}:{self.control_port}")
                 self.ready.set()

@@ -4,10 +4,13 @@ Each session, keyed by ``(session_id, epoch)``, owns the attention keys and valu
 layers only. The manager accounts the bytes of the tensors it actually holds, and evicts by idle TTL,
 by least-recent use when the byte budget is exceeded, and on request. A session that is gone is
 remembered (boundedly) with the reason, so a late step gets an explicit cache miss that says why.
+The manager's bookkeeping is guarded by a lock: steps run on the shard's compute thread while
+sessions are released from the event loop.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -75,12 +78,14 @@ class KVManager:
         self._sessions: OrderedDict[SessionKey, SessionKV] = OrderedDict()
         self._bytes: dict[SessionKey, int] = {}
         self._gone: OrderedDict[SessionKey, str] = OrderedDict()
+        self._lock = threading.RLock()
 
     # -- queries ---------------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._bytes.values())
+        with self._lock:
+            return sum(self._bytes.values())
 
     @property
     def free_bytes(self) -> int | None:
@@ -93,59 +98,85 @@ class KVManager:
         return len(self._sessions)
 
     def keys(self) -> list[SessionKey]:
-        return list(self._sessions)
+        with self._lock:
+            return list(self._sessions)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def open(self, key: SessionKey, sampling: Sampling) -> SessionKV:
-        self.expire()
-        if key in self._sessions:
-            self._forget(key, "replaced")
-        session = SessionKV(key=key, sampling=sampling, last_used=self._clock())
-        self._sessions[key] = session
-        self._bytes[key] = 0
-        self._gone.pop(key, None)
-        return session
+        with self._lock:
+            self.expire()
+            if key in self._sessions:
+                self._forget(key, "replaced")
+            session = SessionKV(key=key, sampling=sampling, last_used=self._clock())
+            self._sessions[key] = session
+            self._bytes[key] = 0
+            self._gone.pop(key, None)
+            return session
 
     def get(self, key: SessionKey) -> SessionKV:
-        self.expire()
-        session = self._sessions.get(key)
-        if session is None:
-            reason = self._gone.get(key, "unknown session")
-            raise CacheMiss(key[0], key[1], reason)
-        return session
+        with self._lock:
+            self.expire()
+            session = self._sessions.get(key)
+            if session is None:
+                reason = self._gone.get(key, "unknown session")
+                raise CacheMiss(key[0], key[1], reason)
+            return session
 
     def commit(self, key: SessionKey) -> None:
         """Account a session after a step: refresh its bytes and recency, then enforce the budget."""
-        session = self._sessions[key]
-        session.last_used = self._clock()
-        self._sessions.move_to_end(key)
-        self._bytes[key] = session.nbytes
-        if self.budget_bytes is None:
-            return
-        if self._bytes[key] > self.budget_bytes:
-            self._forget(key, "evicted: session alone exceeds the KV budget")
-            raise KVBudgetExceeded(
-                f"session {key[0]!r} needs {session.nbytes} KV bytes, budget is {self.budget_bytes}"
-            )
-        while self.used_bytes > self.budget_bytes:
-            oldest = next(iter(self._sessions))
-            self._forget(oldest, "evicted: least recently used, KV budget full")
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None:  # released while its step ran
+                raise CacheMiss(key[0], key[1], self._gone.get(key, "unknown session"))
+            session.last_used = self._clock()
+            self._sessions.move_to_end(key)
+            self._bytes[key] = session.nbytes
+            if self.budget_bytes is None:
+                return
+            if self._bytes[key] > self.budget_bytes:
+                self._forget(key, "evicted: session alone exceeds the KV budget")
+                raise KVBudgetExceeded(
+                    f"session {key[0]!r} needs {session.nbytes} KV bytes, budget is {self.budget_bytes}"
+                )
+            while self.used_bytes > self.budget_bytes:
+                oldest = next(iter(self._sessions))
+                self._forget(oldest, "evicted: least recently used, KV budget full")
+
+    def resume(self, old: SessionKey, new: SessionKey, length: int) -> int:
+        """Carry a session's KV over to a new epoch, keeping its first ``length`` tokens (a repaired
+        route whose upstream is unchanged); returns how many tokens were kept, 0 when it is gone."""
+        with self._lock:
+            session = self._sessions.get(old)
+            if session is None or new in self._sessions:
+                return 0
+            keep = min(length, session.length)
+            self._forget(old, f"resumed as epoch {new[1]}")
+            session.truncate(keep)
+            session.key = new
+            session.last_used = self._clock()
+            self._sessions[new] = session
+            self._bytes[new] = session.nbytes
+            self._gone.pop(new, None)
+            return keep
 
     def release(self, key: SessionKey) -> bool:
-        if key not in self._sessions:
-            return False
-        self._forget(key, "released")
-        return True
+        with self._lock:
+            if key not in self._sessions:
+                return False
+            self._forget(key, "released")
+            return True
 
     def expire(self) -> list[SessionKey]:
-        now = self._clock()
-        expired = [k for k, s in self._sessions.items() if now - s.last_used > self.ttl_s]
-        for key in expired:
-            self._forget(key, f"evicted: idle longer than {self.ttl_s:g}s")
-        return expired
+        with self._lock:
+            now = self._clock()
+            expired = [k for k, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+            for key in expired:
+                self._forget(key, f"evicted: idle longer than {self.ttl_s:g}s")
+            return expired
 
     def _forget(self, key: SessionKey, reason: str) -> None:
+        """Drop a session, remembering why (called with the lock held)."""
         self._sessions.pop(key, None)
         self._bytes.pop(key, None)
         self._gone[key] = reason

@@ -9,16 +9,16 @@ holds before computing: the layer range, the input tensor's dtype and shape, and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from meshd.errors import BundleError, ModelFormatError, PositionMismatch, RangeMismatch, ShapeMismatch
+from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMismatch, RangeMismatch, ShapeMismatch
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
-from meshd.runtime.kv import KVManager, SessionKey
+from meshd.runtime.kv import KVManager, SessionKey, SessionKV
 from meshd.runtime.loader import CheckpointIndex, load_config
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
@@ -139,27 +139,14 @@ class Shard:
 
     def forward(self, bundle: HiddenStateBundle) -> StepResult:
         """Run one bundle through this shard's layers; on any error the session is left as it was."""
-        spec = self.spec
-        if (bundle.range_start, bundle.range_end) != (spec.start, spec.end):
-            raise RangeMismatch(
-                f"bundle is for layers [{bundle.range_start}, {bundle.range_end}), "
-                f"this shard holds [{spec.start}, {spec.end})"
-            )
-        if bundle.token_count > self.max_chunk_tokens:
-            raise BundleError(f"bundle carries {bundle.token_count} tokens; the chunk limit is {self.max_chunk_tokens}")
-        x = self._input(bundle)
+        x = self._check(bundle)
         key: SessionKey = (bundle.session_id, bundle.epoch)
         if bundle.start_position == 0:
             if bundle.phase != Phase.PREFILL:
                 raise PositionMismatch("a session starts with a prefill bundle at position 0")
             session = self.kv.open(key, bundle.sampling or Sampling())
         else:
-            session = self.kv.get(key)
-            if bundle.start_position != session.length:
-                raise PositionMismatch(
-                    f"bundle starts at position {bundle.start_position}, "
-                    f"session {bundle.session_id!r} holds {session.length} tokens"
-                )
+            session = self._session_at(bundle)
         before = session.length
         try:
             result = self._compute(x, session, bundle)
@@ -169,8 +156,89 @@ class Shard:
                 self.kv.release(key)
             raise
         session.length = before + bundle.token_count
+        if key not in self.kv:  # released (client gone, hop leaving) while this step ran
+            raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
         self.kv.commit(key)
         return result
+
+    def forward_batch(self, bundles: Sequence[HiddenStateBundle]) -> list[StepResult | Exception]:
+        """Run decode steps of different sessions as one batched forward.
+
+        Every bundle is checked on its own first; one that fails (wrong range, shape or position,
+        an unknown session, a prefill, a second step of a session already in the batch) gets its
+        error in its slot and the rest run without it. The sessions' positions and KV lengths may
+        all differ: each session's keys and values stay in its own cache, and the batch attends to
+        them padded to the longest with a mask. If the batched compute itself fails, every session
+        is rolled back and the steps are run one by one, so an error stays with the step causing it.
+        """
+        results: list[StepResult | Exception | None] = [None] * len(bundles)
+        ready: list[tuple[int, torch.Tensor, SessionKV]] = []
+        seen: set[SessionKey] = set()
+        for i, bundle in enumerate(bundles):
+            try:
+                x = self._check(bundle)
+                if bundle.phase != Phase.DECODE or bundle.token_count != 1 or bundle.start_position == 0:
+                    raise BundleError("only single-token decode steps of running sessions are batched")
+                key = (bundle.session_id, bundle.epoch)
+                if key in seen:
+                    raise BundleError(f"session {bundle.session_id!r} has two steps in one batch")
+                session = self._session_at(bundle)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            seen.add(key)
+            ready.append((i, x, session))
+        if len(ready) == 1:
+            i = ready[0][0]
+            results[i] = self._forward_or_error(bundles[i])
+        elif ready:
+            sessions = [s for _, _, s in ready]
+            before = [s.length for s in sessions]
+            try:
+                outs = self._compute_batch([x for _, x, _ in ready], sessions, [bundles[i] for i, _, _ in ready])
+            except Exception:
+                for session, length in zip(sessions, before, strict=True):
+                    session.truncate(length)
+                for i, _, _ in ready:
+                    results[i] = self._forward_or_error(bundles[i])
+            else:
+                for (i, _, session), out in zip(ready, outs, strict=True):
+                    session.length += 1
+                    try:
+                        self.kv.commit(session.key)
+                    except Exception as exc:
+                        results[i] = exc
+                    else:
+                        results[i] = out
+        return results  # type: ignore[return-value]
+
+    def _forward_or_error(self, bundle: HiddenStateBundle) -> StepResult | Exception:
+        try:
+            return self.forward(bundle)
+        except Exception as exc:
+            return exc
+
+    def _check(self, bundle: HiddenStateBundle) -> torch.Tensor:
+        """The bundle's input tensor, once its range, size and tensors fit this shard."""
+        spec = self.spec
+        if (bundle.range_start, bundle.range_end) != (spec.start, spec.end):
+            raise RangeMismatch(
+                f"bundle is for layers [{bundle.range_start}, {bundle.range_end}), "
+                f"this shard holds [{spec.start}, {spec.end})"
+            )
+        if bundle.token_count > self.max_chunk_tokens:
+            raise BundleError(f"bundle carries {bundle.token_count} tokens; the chunk limit is {self.max_chunk_tokens}")
+        return self._input(bundle)
+
+    def _session_at(self, bundle: HiddenStateBundle) -> SessionKV:
+        """The running session a bundle continues, checked to hold exactly the tokens before it."""
+        session = self.kv.get((bundle.session_id, bundle.epoch))
+        if bundle.start_position != session.length:
+            raise PositionMismatch(
+                f"bundle starts at position {bundle.start_position}, "
+                f"session {bundle.session_id!r} holds {session.length} tokens"
+            )
+        return session
 
     def _input(self, bundle: HiddenStateBundle) -> torch.Tensor:
         spec, n = self.spec, bundle.token_count
@@ -224,6 +292,39 @@ class Shard:
         token = sample_token(logits, session.sampling, position=start + n)
         return StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
 
+    @torch.inference_mode()
+    def _compute_batch(self, xs: list[torch.Tensor], sessions: list[SessionKV],
+                       bundles: list[HiddenStateBundle]) -> list[StepResult]:
+        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` batch."""
+        stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
+        hidden = self.embed(stacked) if self.embed is not None else stacked
+        lengths = [s.length for s in sessions]
+        position_ids = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+        position_embeddings = self.rotary(hidden, position_ids)
+        cache = BatchCache(sessions)
+        masks: dict[int | None, torch.Tensor] = {}
+        for layer, window in zip(self.layers, self.windows, strict=True):
+            if window not in masks:
+                masks[window] = _batch_decode_mask(lengths, window)
+            hidden = layer(
+                hidden,
+                attention_mask=masks[window],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        if self.lm_head is None:
+            return [StepResult(hidden_states=hidden[b]) for b in range(len(sessions))]
+        wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
+        results = [StepResult() for _ in bundles]
+        if wanted:
+            logits = self.lm_head(self.norm(hidden[wanted, -1:, :]))[:, -1]
+            for row, b in enumerate(wanted):
+                token = sample_token(logits[row], sessions[b].sampling, position=lengths[b] + 1)
+                results[b] = StepResult(token=token, logits=logits[row].clone() if self.keep_logits else None)
+        return results
+
 
 def _attention_mask(past: int, n: int, window: int | None) -> torch.Tensor | None:
     """Boolean mask (True = attend) for ``n`` new tokens after ``past`` cached ones, or None when
@@ -238,3 +339,44 @@ def _attention_mask(past: int, n: int, window: int | None) -> torch.Tensor | Non
     if windowed:
         allowed &= (q - k) < window
     return allowed.view(1, 1, n, total)
+
+
+def _batch_decode_mask(lengths: list[int], window: int | None) -> torch.Tensor:
+    """Boolean mask ``[B, 1, 1, max(lengths) + 1]`` for one new token per session: session ``b``
+    attends to its own ``lengths[b] + 1`` keys (the rest is padding), within its window if any."""
+    total = torch.tensor(lengths).unsqueeze(1) + 1  # keys each session holds after this step
+    k = torch.arange(max(lengths) + 1).unsqueeze(0)
+    allowed = k < total
+    if window is not None:
+        allowed &= (total - 1 - k) < window
+    return allowed.view(len(lengths), 1, 1, -1)
+
+
+class BatchCache:
+    """The cache the attention modules see during a batched decode step.
+
+    ``update`` appends each session's new keys and values to that session's own cache, then returns
+    the batch's history padded to the longest session, ``[B, kv_heads, max_len, head_dim]``; the
+    padding is masked out by :func:`_batch_decode_mask`.
+    """
+
+    def __init__(self, sessions: list[SessionKV]) -> None:
+        self.sessions = sessions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_a, **_kw):
+        keys, values = [], []
+        for b, session in enumerate(self.sessions):
+            k, v = session.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)
+            keys.append(k[0])
+            values.append(v[0])
+        return _pad_stack(keys), _pad_stack(values)
+
+
+def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[kv_heads, L_b, head_dim]`` tensors -> ``[B, kv_heads, max L_b, head_dim]``, zero-padded."""
+    longest = max(t.shape[-2] for t in tensors)
+    heads, dim = tensors[0].shape[0], tensors[0].shape[-1]
+    out = tensors[0].new_zeros(len(tensors), heads, longest, dim)
+    for b, t in enumerate(tensors):
+        out[b, :, : t.shape[-2]] = t
+    return out

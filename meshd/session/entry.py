@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -21,11 +21,14 @@ from meshd.errors import MeshError
 from meshd.runtime.chain import input_bundles
 from meshd.session import messages as m
 from meshd.tracker.view import Route
+from meshd.transport import TransportError
 from meshd.wire import bundle as wire
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.session")
+
+HEALTH_INTERVAL_S = 0.2
 
 
 class SessionFailed(MeshError):
@@ -48,6 +51,9 @@ class SessionPlan:
     chunk_tokens: int = 128
     step_timeout_s: float = 30.0
     session_id: str = ""
+    alive: Callable[[str], bool] | None = None  # gossip's verdict on a peer; a dead hop ends the attempt
+    unchanged_prefix: int = 0                   # repair: leading hops shared with epoch resume_from_epoch
+    resume_from_epoch: int = 0
 
 
 async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: trio.MemorySendChannel) -> None:
@@ -63,6 +69,8 @@ async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: tri
         return m.open_msg(pb.SessionOpen(
             session_id=session_id, epoch=route.epoch, model_id=route.model_id, compat_key=route.compat_key,
             hops=hops, hop_index=index, entry_peer_id=entry_peer_id,
+            max_tokens=len(plan.prompt) + plan.max_new_tokens, prompt_tokens=len(plan.prompt),
+            unchanged_prefix=plan.unchanged_prefix, resume_from_epoch=plan.resume_from_epoch,
         ))
 
     tail, head = hops[-1], hops[0]
@@ -79,8 +87,11 @@ async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: tri
             events_send, events = trio.open_memory_channel(math.inf)
             error: Exception | None = None
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read_into, results, events_send.clone(), "results")
-                nursery.start_soon(_read_into, head_stream, events_send, "seam")
+                nursery.start_soon(_read_into, results, events_send.clone(), "results", tail.peer_id)
+                nursery.start_soon(_read_into, head_stream, events_send.clone(), "seam", head.peer_id)
+                if plan.alive is not None:
+                    nursery.start_soon(_watch_hops, plan.alive, [h.peer_id for h in hops], events_send.clone())
+                events_send.close()
                 try:
                     await _generate(plan, session_id, route, head_stream, events, out)
                 except Exception as exc:
@@ -89,16 +100,10 @@ async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: tri
             if error is not None:
                 raise error
         finally:
-            for stream in (head_stream, results):
-                if stream is not None:
-                    with trio.move_on_after(2) as scope:
-                        scope.shield = True
-                        try:
-                            if stream is head_stream:
-                                await stream.send_message(m.CLOSE)
-                            await stream.aclose()
-                        except Exception:
-                            pass
+            if head_stream is not None:
+                await m.finish_stream(head_stream, m.CLOSE)
+            if results is not None:
+                await m.finish_stream(results)
 
 
 async def _generate(plan: SessionPlan, session_id: str, route: Route, head_stream, events, out) -> None:
@@ -125,6 +130,17 @@ async def _generate(plan: SessionPlan, session_id: str, route: Route, head_strea
         pending = [token]
 
 
+async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str], sink: trio.MemorySendChannel) -> None:
+    """Fail the attempt as soon as gossip declares a hop of the route dead."""
+    async with sink:
+        while True:
+            for peer_id in peer_ids:
+                if not alive(peer_id):
+                    await sink.send(SessionFailed("peer_dead", "gossip declared the hop dead", peer_id))
+                    return
+            await trio.sleep(HEALTH_INTERVAL_S)
+
+
 async def _dial(transport, hop: pb.HopAddress, path: str):
     try:
         return await transport.open_stream(hop.peer_id, m.split_address(hop.address), path)
@@ -132,19 +148,19 @@ async def _dial(transport, hop: pb.HopAddress, path: str):
         raise SessionFailed("unreachable", f"cannot reach {hop.address}: {exc}", hop.peer_id) from exc
 
 
-async def _read_into(stream, sink: trio.MemorySendChannel, name: str) -> None:
+async def _read_into(stream, sink: trio.MemorySendChannel, name: str, peer_id: str) -> None:
     async with sink:
         try:
             while True:
                 raw = await stream.receive_message()
                 if raw is None:
-                    await sink.send(SessionFailed("seam_closed", f"{name} stream ended early"))
+                    await sink.send(SessionFailed("seam_closed", f"{name} stream ended early", peer_id))
                     return
                 await sink.send(m.parse(raw))
+        except (TransportError, OSError, trio.BrokenResourceError) as exc:
+            await sink.send(SessionFailed("unreachable", f"{name} stream: {exc}", peer_id))
         except MeshError as exc:
-            await sink.send(exc)
-        except Exception as exc:
-            await sink.send(SessionFailed("seam_failed", f"{name} stream: {exc}"))
+            await sink.send(SessionFailed(exc.code, f"{name} stream: {exc}", peer_id))
 
 
 async def _must_receive(stream) -> bytes:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import trio
 from google.protobuf.message import DecodeError
 
 from meshd.errors import BundleError, MeshError
@@ -52,3 +55,26 @@ def split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"bad address {address!r}; expected host:port")
     return host.strip("[]"), int(port)
+
+
+async def finish_stream(stream, last_message: bytes | None = None, linger_s: float = 1.0) -> None:
+    """End a stream we opened without aborting it: send ``last_message``, half-close, give the peer
+    ``linger_s`` to end its side (so it reads everything first), then close. Never raises; runs
+    shielded so that a cancelled session still says goodbye to its hops."""
+    with trio.move_on_after(linger_s + 1) as scope:
+        scope.shield = True
+        with contextlib.suppress(Exception):
+            if last_message is not None:
+                await stream.send_message(last_message)
+            await stream.end()
+            with trio.move_on_after(linger_s):
+                while await stream.receive_message() is not None:
+                    pass
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+async def end_quietly(stream) -> None:
+    """Half-close a stream we answer: what we sent stays readable for the requester."""
+    with trio.move_on_after(2), contextlib.suppress(Exception):
+        await stream.end()

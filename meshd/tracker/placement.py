@@ -79,7 +79,8 @@ def place(offers: list[ShardOffer]) -> dict[str, tuple[int, int]]:
     boundaries = {0, n_layers}
     for offer in placed:
         boundaries.update(offer.range)
-    waiting = sorted((o for o in offers if o.range is None), key=lambda o: (-o.memory_budget_bytes, o.peer_id))
+    waiting = sorted((o for o in offers if o.range is None and not o.pinned),
+                     key=lambda o: (-o.memory_budget_bytes, o.peer_id))
     plan: dict[str, tuple[int, int]] = {}
 
     def assign(offer: ShardOffer, window: tuple[int, int]) -> None:

@@ -2,9 +2,13 @@
 
 A hop is one peer running its whole loaded range. The estimated time of one decode token through a
 route is the sum of each hop's compute (measured time per layer x layers x a load factor) and of
-each seam's latency (measured RTT, plus a penalty for relayed links), plus a fixed per-hop cost so
+each seam's latency, plus a fixed per-hop cost so
 that, all else equal, fewer hops win: one peer alone when it holds the whole model. A shortest path
 over layer boundaries finds the best tiling.
+
+A seam costs the measured round trip to the peer (gossip requests, so for a relayed peer the relay
+path is in it). Before anything is measured a default stands in, and a relayed peer adds
+``RELAY_PENALTY_MS`` to it: a relay is assumed slower until measured otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from meshd.tracker.placement import coverage, missing_ranges
 from meshd.tracker.view import Hop, Route, ShardOffer
 
 PER_HOP_MS = 0.5
+UNMEASURED_RTT_MS = 1.0
 RELAY_PENALTY_MS = 5.0
+KEEP_DISCOUNT = 0.25
 
 
 class NoRouteError(Exception):
@@ -26,11 +32,18 @@ class NoRouteError(Exception):
         self.missing = missing
 
 
-def hop_terms(offer: ShardOffer, rtt_ms: float) -> dict:
+def seam_ms(offer: ShardOffer, rtt_ms: float | None) -> float:
+    """Seam latency: the measured RTT (relay included), or a default plus a relay penalty until measured."""
+    if rtt_ms is not None:
+        return rtt_ms
+    return UNMEASURED_RTT_MS + (RELAY_PENALTY_MS if offer.relayed else 0.0)
+
+
+def hop_terms(offer: ShardOffer, rtt_ms: float | None) -> dict:
     layers = offer.range[1] - offer.range[0]
     load = 1.0 + offer.active_sessions * 0.5 + offer.queued
     compute = layers * offer.ms_per_layer * load
-    seam = rtt_ms + (RELAY_PENALTY_MS if offer.relayed else 0.0)
+    seam = seam_ms(offer, rtt_ms)
     return {
         "peer_id": offer.peer_id, "start": offer.range[0], "end": offer.range[1],
         "compute_ms": round(compute, 3), "seam_ms": round(seam, 3), "hop_ms": PER_HOP_MS,
@@ -41,11 +54,16 @@ def hop_terms(offer: ShardOffer, rtt_ms: float) -> dict:
 def plan_route(
     model_id: str,
     offers: Iterable[ShardOffer],
-    rtt_ms: Callable[[str], float],
+    rtt_ms: Callable[[str], float | None],
     epoch: int = 0,
     exclude: frozenset[str] = frozenset(),
+    keep: frozenset[str] = frozenset(),
 ) -> Route:
-    """The cheapest exact tiling of ``[0, n_layers)`` by the offered ranges, or :class:`NoRouteError`."""
+    """The cheapest exact tiling of ``[0, n_layers)`` by the offered ranges, or :class:`NoRouteError`.
+
+    ``keep`` names peers that already hold the session being repaired: a route through them can
+    resume instead of recomputing, and their load counts the session itself, so they cost less.
+    """
     usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude]
     if not usable:
         raise NoRouteError(model_id, [])
@@ -57,7 +75,8 @@ def plan_route(
     for compat_key, group in sorted(by_compat.items()):
         n_layers = group[0].n_layers
         terms = {o.peer_id: hop_terms(o, rtt_ms(o.peer_id)) for o in group}
-        cost = {o.peer_id: sum(terms[o.peer_id][k] for k in ("compute_ms", "seam_ms", "hop_ms")) for o in group}
+        cost = {o.peer_id: sum(terms[o.peer_id][k] for k in ("compute_ms", "seam_ms", "hop_ms"))
+                * (KEEP_DISCOUNT if o.peer_id in keep else 1.0) for o in group}
         dist: dict[int, tuple[float, list[ShardOffer]]] = {0: (0.0, [])}
         for boundary in range(n_layers):
             if boundary not in dist:

@@ -21,6 +21,7 @@ class ShardOffer:
     active_sessions: int = 0
     queued: int = 0
     relayed: bool = False
+    pinned: bool = False         # the operator fixed the range; placement never assigns one
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@ Public API::
         port = await nursery.start(transport.serve, host, port, handler)   # also transport.listen_port
         stream = await transport.open_stream(peer_id | None, (host, port), path, headers=None)
         reply = await transport.request(peer_id | None, (host, port), path, body, timeout=30.0)
+        await transport.accept_stream(byte_stream, handler, remote)   # inbound link on any trio Stream
+
+    An address is direct ``(host, port)`` or a relay address ``("relay:RELAYHOST", port)`` (text
+    ``relay:HOST:PORT``; see ``meshd.transport.relay``): the same TLS, client authentication and
+    HTTP/2 then run through a ``meshd-relay`` inside WebSockets, end to end.
 
     async def handler(stream: Stream) -> None      # one task per incoming stream
         stream.path, stream.headers, stream.peer_id (proven remote id)

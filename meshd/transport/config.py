@@ -24,6 +24,7 @@ class TransportConfig:
     stream_window: int = 1024 * 1024
     max_concurrent_streams: int = 256
     read_size: int = 64 * 1024
+    relay_chunk_bytes: int = 64 * 1024  # largest WebSocket message sent through a relay
 
     def __post_init__(self) -> None:
         if not 0 < self.max_message_bytes < 2**32:

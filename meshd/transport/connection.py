@@ -86,6 +86,7 @@ class Connection:
         self._wanted_seq = 0
         self._sent_seq = 0
         self._closed_reason: str | None = None
+        self._goaway_sent = False
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._finished = trio.Event()
@@ -122,6 +123,7 @@ class Connection:
     async def aclose(self) -> None:
         """Say GOAWAY (briefly, best effort), then close the socket and stop all tasks."""
         if self._closed_reason is None:
+            self._goaway_sent = True
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self._h2.close_connection()
             with trio.move_on_after(_GOAWAY_FLUSH_SECONDS):
@@ -226,8 +228,11 @@ class Connection:
                 try:
                     events = self._h2.receive_data(data)
                 except h2.exceptions.ProtocolError as exc:
+                    if self._goaway_sent:  # h2 refuses every frame after our GOAWAY; we are closing anyway
+                        self._close("closed locally")
+                        return
                     logger.warning("HTTP/2 protocol error from %s, closing the connection: %s", self.peer_id, exc)
-                    with trio.move_on_after(_GOAWAY_FLUSH_SECONDS):
+                    with trio.move_on_after(_GOAWAY_FLUSH_SECONDS), contextlib.suppress(TransportError):
                         await self.flush()
                     self._close(f"protocol error: {exc}")
                     return

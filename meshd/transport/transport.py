@@ -1,4 +1,9 @@
-"""``Transport``: serve and dial authenticated HTTP/2 connections, one per peer, many streams each."""
+"""``Transport``: serve and dial authenticated HTTP/2 connections, one per peer, many streams each.
+
+A connection runs over any Trio byte stream: a TCP socket, or a WebSocket through a ``meshd-relay``
+(``meshd.transport.relay``). The TLS handshake, client authentication and HTTP/2 are the same on
+both, so everything above the transport uses one code path whichever way a peer is reached.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,21 @@ from types import TracebackType
 from typing import Any
 
 import trio
+from trio_websocket import HandshakeError
 
 from meshd.identity import Identity
 from meshd.transport.config import TransportConfig
 from meshd.transport.connection import Connection, Handler, Stream
 from meshd.transport.errors import PeerAuthError, TransportError
 from meshd.transport.handshake import client_handshake, server_handshake
-from meshd.transport.tls import client_context, make_certificate, server_context
+from meshd.transport.relay import dial as relay_dial
+from meshd.transport.relay import is_relay, relay_endpoint
+from meshd.transport.tls import Certificate, client_context, make_certificate, server_context
 
 logger = logging.getLogger("meshd.transport")
 
 Address = tuple[str, int]
+"""``(host, port)``; a relay address has the host ``relay:<relay host>`` (see ``meshd.transport.relay``)."""
 
 
 class Transport:
@@ -36,7 +45,10 @@ class Transport:
         self.config = replace(config or TransportConfig(), **settings)
         self.listen_port: int | None = None
         self._client_context = client_context()
+        self._certificate: Certificate | None = None
+        self._server_context: ssl.SSLContext | None = None
         self._outbound: dict[str | Address, Connection] = {}
+        self._outbound_via: dict[str | Address, Address] = {}
         self._dial_locks: dict[str | Address, trio.Lock] = {}
         self._inbound: set[Connection] = set()
         self._serve_scopes: set[trio.CancelScope] = set()
@@ -83,8 +95,7 @@ class Transport:
 
         Reports the bound port (useful with port 0) through ``task_status`` and ``listen_port``.
         """
-        certificate = make_certificate(self.identity)
-        context = server_context(certificate)
+        certificate, context = self._server_identity()
         listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
         self.listen_port = listeners[0].socket.getsockname()[1]
         logger.info("serving peer transport on %s:%d as %s", listen_host, self.listen_port, self.identity.peer_id)
@@ -101,8 +112,26 @@ class Transport:
             finally:
                 self._serve_scopes.discard(scope)
 
-    async def _accept(self, tcp: trio.SocketStream, context: ssl.SSLContext, cert_der: bytes, handler: Handler) -> None:
-        remote = _describe(tcp)
+    def _server_identity(self) -> tuple[Certificate, ssl.SSLContext]:
+        if self._certificate is None or self._server_context is None:
+            self._certificate = make_certificate(self.identity)
+            self._server_context = server_context(self._certificate)
+        return self._certificate, self._server_context
+
+    async def accept_stream(self, stream: trio.abc.Stream, handler: Handler, remote: str) -> None:
+        """Serve one inbound connection arriving on any byte stream (a relay circuit, say) until it ends.
+
+        Exactly what a TCP accept does: TLS, client authentication, then HTTP/2 with ``handler``.
+        """
+        if self._closed:
+            await trio.aclose_forcefully(stream)
+            return
+        certificate, context = self._server_identity()
+        await self._accept(stream, context, certificate.der, handler, remote)
+
+    async def _accept(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes, handler: Handler,
+                      remote: str | None = None) -> None:
+        remote = remote or _describe(tcp)
         try:
             with trio.fail_after(self.config.handshake_timeout):
                 stream, peer_id = await server_handshake(tcp, context, cert_der)
@@ -131,12 +160,14 @@ class Transport:
     # -- dialling -------------------------------------------------------------------------------
 
     async def open_stream(
-        self, peer_id: str | None, address: Address, path: str, headers: dict[str, str] | None = None
+        self, peer_id: str | None, address: Address | str, path: str, headers: dict[str, str] | None = None
     ) -> Stream:
         """Open a stream to a peer, reusing its live connection or dialling a new one.
 
         ``peer_id`` is the identity the peer must prove; ``None`` accepts whoever answers (the
-        proven id is then ``stream.peer_id``).
+        proven id is then ``stream.peer_id``). ``address`` is direct or a relay address (a relay
+        needs ``peer_id``). A live relayed connection is replaced by a direct one as soon as the
+        caller names a direct address for that peer.
         """
         connection = await self._connection(peer_id, address)
         return await connection.open_stream(path, headers)
@@ -144,7 +175,7 @@ class Transport:
     async def request(
         self,
         peer_id: str | None,
-        address: Address,
+        address: Address | str,
         path: str,
         body: bytes,
         timeout: float = 30.0,
@@ -168,26 +199,65 @@ class Transport:
         except trio.TooSlowError as exc:
             raise TransportError(f"request {path} to {peer_id or address} timed out after {timeout}s") from exc
 
-    async def _connection(self, peer_id: str | None, address: Address) -> Connection:
+    async def _connection(self, peer_id: str | None, address: Address | str) -> Connection:
         if self._nursery is None or self._closed:
             raise TransportError("the transport is not open; use `async with Transport(...)`")
-        key: str | Address = peer_id if peer_id is not None else (address[0], address[1])
+        address = _as_address(address)
+        if is_relay(address) and peer_id is None:
+            raise TransportError("a relay can only be dialled for a named peer id")
+        key: str | Address = peer_id if peer_id is not None else address
         lock = self._dial_locks.setdefault(key, trio.Lock())
         async with lock:
             connection = self._outbound.get(key)
             if connection is not None and connection.is_alive:
-                return connection
-            connection = await self._dial(peer_id, address)
+                via = self._outbound_via.get(key)
+                if not (via is not None and is_relay(via) and not is_relay(address)):
+                    return connection
+                # The peer became directly dialable: new streams go direct; the relayed connection
+                # finishes the streams it carries, then closes.
+                fresh = await self._dial(peer_id, address)
+                self._nursery.start_soon(_retire, connection)
+                connection = fresh
+            else:
+                connection = await self._dial(peer_id, address)
             self._outbound[key] = connection
+            self._outbound_via[key] = address
             return connection
+
+    def connection_route(self, peer_id: str) -> str | None:
+        """``"direct"`` or ``"relay"`` for this peer's live outbound connection, else ``None``."""
+        connection = self._outbound.get(peer_id)
+        if connection is None or not connection.is_alive:
+            return None
+        via = self._outbound_via.get(peer_id)
+        return "relay" if via is not None and is_relay(via) else "direct"
+
+    async def check_dialable(self, peer_id: str, address: Address | str, timeout: float = 5.0) -> str | None:
+        """Dial ``address`` afresh (no pooled connection) expecting ``peer_id``, then hang up.
+
+        Returns ``None`` when the peer answered and proved its id, else what went wrong. Used to
+        tell a peer whether its advertised address can be reached from here.
+        """
+        try:
+            with trio.fail_after(timeout):
+                connection = await self._dial(peer_id, _as_address(address))
+        except (TransportError, trio.TooSlowError) as exc:
+            return str(exc) or type(exc).__name__
+        await connection.aclose()
+        return None
 
     async def _dial(self, peer_id: str | None, address: Address) -> Connection:
         assert self._nursery is not None
         host, port = address
-        tcp: trio.SocketStream | None = None
+        tcp: trio.abc.Stream | None = None
         try:
             with trio.fail_after(self.config.connect_timeout):
-                tcp = await trio.open_tcp_stream(host, port)
+                if is_relay(address):
+                    assert peer_id is not None
+                    tcp = await relay_dial(self._nursery, relay_endpoint(address), peer_id,
+                                           max_chunk=self.config.relay_chunk_bytes)
+                else:
+                    tcp = await trio.open_tcp_stream(host, port)
                 stream, proven_id = await client_handshake(tcp, self._client_context, self.identity, peer_id)
         except trio.TooSlowError as exc:
             await _abort(tcp)
@@ -196,7 +266,7 @@ class Transport:
             await _abort(tcp)
             logger.warning("refused peer at %s:%d: %s", host, port, exc)
             raise
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (OSError, HandshakeError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await _abort(tcp)
             raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
         except TransportError:
@@ -214,9 +284,26 @@ class Transport:
             scope.cancel()
         connections = [*self._outbound.values(), *self._inbound]
         self._outbound.clear()
+        self._outbound_via.clear()
         async with trio.open_nursery() as nursery:
             for connection in connections:
                 nursery.start_soon(connection.aclose)
+
+
+def _as_address(address: Address | str) -> Address:
+    if isinstance(address, str):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise TransportError(f"bad address {address!r}; expected host:port or relay:host:port")
+        return host, int(port)
+    return address[0], int(address[1])
+
+
+async def _retire(connection: Connection) -> None:
+    """Close a replaced connection once the streams it still carries are done."""
+    while connection.is_alive and connection.stream_count:
+        await trio.sleep(0.5)
+    await connection.aclose()
 
 
 async def _abort(stream: trio.abc.AsyncResource | None) -> None:
@@ -224,7 +311,9 @@ async def _abort(stream: trio.abc.AsyncResource | None) -> None:
         await trio.aclose_forcefully(stream)
 
 
-def _describe(tcp: trio.SocketStream) -> str:
+def _describe(tcp: trio.abc.Stream) -> str:
+    if not isinstance(tcp, trio.SocketStream):
+        return type(tcp).__name__
     try:
         host, port = tcp.socket.getpeername()[:2]
     except OSError:

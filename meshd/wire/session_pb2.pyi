@@ -19,7 +19,7 @@ class HopAddress(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "epoch", "model_id", "compat_key", "hops", "hop_index", "entry_peer_id")
+    __slots__ = ("session_id", "epoch", "model_id", "compat_key", "hops", "hop_index", "entry_peer_id", "max_tokens", "prompt_tokens", "unchanged_prefix", "resume_from_epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,10 @@ class SessionOpen(_message.Message):
     HOPS_FIELD_NUMBER: _ClassVar[int]
     HOP_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENTRY_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     model_id: str
@@ -34,7 +38,11 @@ class SessionOpen(_message.Message):
     hops: _containers.RepeatedCompositeFieldContainer[HopAddress]
     hop_index: int
     entry_peer_id: str
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[HopAddress, _Mapping]]] = ..., hop_index: _Optional[int] = ..., entry_peer_id: _Optional[str] = ...) -> None: ...
+    max_tokens: int
+    prompt_tokens: int
+    unchanged_prefix: int
+    resume_from_epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[HopAddress, _Mapping]]] = ..., hop_index: _Optional[int] = ..., entry_peer_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., unchanged_prefix: _Optional[int] = ..., resume_from_epoch: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ()

@@ -1,0 +1,3 @@
+from meshd_relay.cli import main
+
+main()

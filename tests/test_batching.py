@@ -1,0 +1,286 @@
+"""Continuous batching: decode steps of several sessions run as one forward and give what each gives alone.
+
+Tolerance on logits: a batched step multiplies a ``[B, hidden]`` matrix where a solo step multiplies one
+row, so the float32 sums of every projection can be associated differently (different GEMM kernels);
+and attention runs over keys padded with masked zeros. Each logit passes through every layer's
+projections of ``hidden`` = 64 terms; a reassociated float32 sum of n terms differs by at most about
+``n * eps * sum|terms|`` (eps = 1.2e-7), which for these models' activations (order 1-10) is below
+1e-4. Measured differences are about 1e-5. Greedy tokens must be identical: the models' logits are
+far better separated than that (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch, ShapeMismatch
+from meshd.runtime.batching import StepBatcher
+from meshd.runtime.chain import input_bundles
+from meshd.runtime.host import ShardHost
+from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
+from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
+from tests.conftest import ADAPTER_MODELS
+
+LOGIT_ATOL = 1e-4
+N_LAYERS = 4
+# Prompt lengths differ so the sessions' KV lengths differ (some beyond mistral-window's window of 12).
+PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate((3, 11, 17, 6, 25))]
+NEW_TOKENS = 12
+
+
+def _first(session: str, prompt: list[int], rng: tuple[int, int]) -> HiddenStateBundle:
+    return next(input_bundles(session, 0, prompt, 0, 64, rng, Sampling()))
+
+
+def _decode(session: str, token: int, position: int, step: int, rng: tuple[int, int]) -> HiddenStateBundle:
+    return next(input_bundles(session, 0, [token], position, 64, rng, Sampling(), step))
+
+
+def _solo(model_dir, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    shard = Shard(model_dir, 0, N_LAYERS, keep_logits=True)
+    result = shard.forward(_first("solo", prompt, (0, N_LAYERS)))
+    tokens, logits = [result.token], [result.logits]
+    for step in range(1, n):
+        result = shard.forward(_decode("solo", tokens[-1], len(prompt) + step - 1, step, (0, N_LAYERS)))
+        tokens.append(result.token)
+        logits.append(result.logits)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("arch", sorted(ADAPTER_MODELS))
+def test_batched_decode_matches_solo_runs(adapter_models, arch):
+    """Sessions start and finish at different steps (joining and leaving the batch); every session's
+    tokens equal its solo run's and its logits agree within LOGIT_ATOL."""
+    model_dir = adapter_models[arch]
+    solo = [_solo(model_dir, p, NEW_TOKENS) for p in PROMPTS]
+    shard = Shard(model_dir, 0, N_LAYERS, keep_logits=True)
+    starts = [0, 0, 2, 3, 5]  # the step at which each session's prefill runs
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(PROMPTS))}
+    batch_sizes = []
+    for tick in range(max(starts) + NEW_TOKENS):
+        batch, members = [], []
+        for i, prompt in enumerate(PROMPTS):
+            step = tick - starts[i]
+            if step == 0:
+                result = shard.forward(_first(f"s{i}", prompt, (0, N_LAYERS)))
+                tokens[i].append(result.token)
+                logits[i].append(result.logits)
+            elif 0 < step < NEW_TOKENS:
+                batch.append(_decode(f"s{i}", tokens[i][-1], len(prompt) + step - 1, step, (0, N_LAYERS)))
+                members.append(i)
+        if batch:
+            batch_sizes.append(len(batch))
+            for i, result in zip(members, shard.forward_batch(batch), strict=True):
+                assert isinstance(result, StepResult), result
+                tokens[i].append(result.token)
+                logits[i].append(result.logits)
+        for i in range(len(PROMPTS)):
+            if tick - starts[i] == NEW_TOKENS - 1:
+                shard.release(f"s{i}", 0)  # leaves the batch
+    assert max(batch_sizes) == len(PROMPTS) and min(batch_sizes) == 1
+    for i, (ref_tokens, ref_logits) in enumerate(solo):
+        assert tokens[i] == ref_tokens, f"session {i}"
+        for step, (mine, ref) in enumerate(zip(logits[i], ref_logits, strict=True)):
+            torch.testing.assert_close(mine, ref, atol=LOGIT_ATOL, rtol=0, msg=f"session {i} step {step}")
+    assert len(shard.kv) == 0 and shard.kv.used_bytes == 0
+
+
+def test_split_batched_decode_matches_solo(tiny_model):
+    """The middle and tail of a split model batch hidden states (not token ids) the same way."""
+    head, tail = Shard(tiny_model, 0, 2), Shard(tiny_model, 2, 4)
+    solo = [_solo(tiny_model, p, NEW_TOKENS)[0] for p in PROMPTS]
+    tokens = {}
+    for i, prompt in enumerate(PROMPTS):
+        hidden = head.forward(_first(f"s{i}", prompt, (0, 2))).hidden_states
+        tokens[i] = [tail.forward(_with_hidden(_first(f"s{i}", prompt, (2, 4)), hidden)).token]
+    for step in range(1, NEW_TOKENS):
+        firsts = [_decode(f"s{i}", tokens[i][-1], len(p) + step - 1, step, (0, 2)) for i, p in enumerate(PROMPTS)]
+        hiddens = [r.hidden_states for r in head.forward_batch(firsts)]
+        seconds = [_with_hidden(_decode(f"s{i}", 0, b.start_position, step, (2, 4)), h)
+                   for i, (b, h) in enumerate(zip(firsts, hiddens, strict=True))]
+        for i, result in enumerate(tail.forward_batch(seconds)):
+            tokens[i].append(result.token)
+    assert [tokens[i] for i in range(len(PROMPTS))] == solo
+
+
+def _with_hidden(bundle: HiddenStateBundle, hidden: torch.Tensor) -> HiddenStateBundle:
+    bundle.tensors = {HIDDEN_STATES: hidden}
+    return bundle
+
+
+def _running(shard: Shard, n: int) -> list[int]:
+    """Open sessions s0..s(n-1) with their prompts; return each one's first token."""
+    return [shard.forward(_first(f"s{i}", PROMPTS[i], (0, N_LAYERS))).token for i in range(n)]
+
+
+def test_a_bad_step_in_a_batch_fails_alone(tiny_model):
+    shard = Shard(tiny_model, 0, N_LAYERS, keep_logits=True)
+    first = _running(shard, 4)
+    good = [_decode(f"s{i}", first[i], len(PROMPTS[i]), 1, (0, N_LAYERS)) for i in range(4)]
+    bad_position = _decode("s1", first[1], len(PROMPTS[1]) + 3, 1, (0, N_LAYERS))
+    bad_range = _decode("s2", first[2], len(PROMPTS[2]), 1, (0, 2))
+    bad_shape = _decode("s3", first[3], len(PROMPTS[3]), 1, (0, N_LAYERS))
+    bad_shape.tensors = {"input_ids": torch.tensor([[1, 2]])}
+    unknown = _decode("nobody", 5, 9, 1, (0, N_LAYERS))
+    prefill = _first("fresh", [1, 2, 3], (0, N_LAYERS))
+    lengths = {i: shard.kv.get((f"s{i}", 0)).length for i in range(4)}
+    out = shard.forward_batch([good[0], bad_position, bad_range, bad_shape, unknown, prefill])
+    assert isinstance(out[0], StepResult)
+    assert isinstance(out[1], PositionMismatch) and isinstance(out[2], RangeMismatch)
+    assert isinstance(out[3], ShapeMismatch) and isinstance(out[4], CacheMiss) and isinstance(out[5], BundleError)
+    assert [shard.kv.get((f"s{i}", 0)).length for i in range(1, 4)] == [lengths[i] for i in range(1, 4)]
+    assert ("fresh", 0) not in shard.kv
+    # the failed sessions are untouched: their steps still run and match a solo run
+    rest = shard.forward_batch(good[1:])
+    for i, result in enumerate([out[0], *rest]):
+        assert result.token == _solo(tiny_model, PROMPTS[i], 2)[0][1]
+
+
+def test_two_steps_of_one_session_are_not_batched_together(tiny_model):
+    shard = Shard(tiny_model, 0, N_LAYERS)
+    first = _running(shard, 2)
+    step = _decode("s0", first[0], len(PROMPTS[0]), 1, (0, N_LAYERS))
+    out = shard.forward_batch([step, step, _decode("s1", first[1], len(PROMPTS[1]), 1, (0, N_LAYERS))])
+    assert isinstance(out[0], StepResult) and isinstance(out[1], BundleError) and isinstance(out[2], StepResult)
+
+
+def test_a_failing_batched_compute_falls_back_to_single_steps(tiny_model, monkeypatch):
+    shard = Shard(tiny_model, 0, N_LAYERS)
+    first = _running(shard, 3)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("batched kernel failed")
+
+    monkeypatch.setattr(shard, "_compute_batch", broken)
+    out = shard.forward_batch([_decode(f"s{i}", first[i], len(PROMPTS[i]), 1, (0, N_LAYERS)) for i in range(3)])
+    assert [r.token for r in out] == [_solo(tiny_model, PROMPTS[i], 2)[0][1] for i in range(3)]
+    assert [shard.kv.get((f"s{i}", 0)).length for i in range(3)] == [len(PROMPTS[i]) + 1 for i in range(3)]
+
+
+def test_kv_accounting_and_eviction_with_batches(tiny_model):
+    probe = Shard(tiny_model, 0, N_LAYERS)
+    _running(probe, 3)
+    per_token = probe.kv.used_bytes // sum(len(PROMPTS[i]) for i in range(3))
+    # room for the three prompts plus one token each, not for a second token each
+    budget = per_token * (sum(len(PROMPTS[i]) for i in range(3)) + 4)
+    shard = Shard(tiny_model, 0, N_LAYERS, kv_budget_bytes=budget)
+    tokens = _running(shard, 3)
+    out = shard.forward_batch([_decode(f"s{i}", tokens[i], len(PROMPTS[i]), 1, (0, N_LAYERS)) for i in range(3)])
+    assert all(isinstance(r, StepResult) for r in out)
+    assert shard.kv.used_bytes == sum(shard.kv.get((f"s{i}", 0)).nbytes for i in range(3)) <= budget
+    out = shard.forward_batch([_decode(f"s{i}", out[i].token, len(PROMPTS[i]) + 1, 2, (0, N_LAYERS))
+                               for i in range(3)])
+    # the batch commits in order, as steps run one by one would: s0's token fits; s1's overflows the
+    # budget and evicts the least recently used session, s2, whose step then finds its KV gone
+    assert isinstance(out[0], StepResult) and isinstance(out[1], StepResult)
+    assert isinstance(out[2], CacheMiss) and "least recently used" in str(out[2])
+    assert ("s2", 0) not in shard.kv and shard.kv.used_bytes <= budget
+    assert shard.kv.used_bytes == sum(shard.kv.get((f"s{i}", 0)).nbytes for i in range(2))
+
+
+async def test_concurrent_sessions_through_hosts_batch_and_match_solo(tiny_model):
+    """Sessions on two hosts (a split model) step concurrently; the hosts batch them; tokens match."""
+    hosts = [ShardHost(tiny_model), ShardHost(tiny_model)]
+    await hosts[0].load(0, 2)
+    await hosts[1].load(2, 4)
+    solo = [_solo(tiny_model, p, NEW_TOKENS)[0] for p in PROMPTS]
+    got: dict[int, list[int]] = {}
+
+    async def step(i: int, bundle: HiddenStateBundle) -> int:
+        hidden = (await hosts[0].forward(bundle)).hidden_states
+        nxt = HiddenStateBundle(session_id=bundle.session_id, epoch=0, step=bundle.step, phase=bundle.phase,
+                                start_position=bundle.start_position, token_count=bundle.token_count,
+                                tensors={HIDDEN_STATES: hidden}, range_start=2, range_end=4,
+                                sample=bundle.sample, sampling=bundle.sampling)
+        return (await hosts[1].forward(nxt)).token
+
+    async def session(i: int) -> None:
+        prompt = PROMPTS[i]
+        tokens = []
+        for b in input_bundles(f"s{i}", 0, prompt, 0, 4, (0, 2), Sampling()):
+            token = await step(i, b)
+        tokens.append(token)
+        for n in range(1, NEW_TOKENS):
+            tokens.append(await step(i, _decode(f"s{i}", tokens[-1], len(prompt) + n - 1, n, (0, 2))))
+        got[i] = tokens
+        for host in hosts:
+            host.release(f"s{i}", 0)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(PROMPTS)):
+            nursery.start_soon(session, i)
+    assert [got[i] for i in range(len(PROMPTS))] == solo
+    assert max(h.batcher.stats.largest_batch for h in hosts) > 1
+    assert all(len(h.shard.kv) == 0 for h in hosts)
+    for host in hosts:
+        host.close()
+
+
+# -- the scheduler alone -----------------------------------------------------------------------------
+
+
+def _bundle(session: str, phase: Phase, position: int, tokens: int = 1) -> HiddenStateBundle:
+    return HiddenStateBundle(session_id=session, epoch=0, step=0, phase=phase, start_position=position,
+                             token_count=tokens, tensors={}, range_start=0, range_end=1)
+
+
+class _Recorder:
+    """Fake compute: records each call's sessions; a call takes ``delay`` seconds of Trio time."""
+
+    def __init__(self, delay: float = 1.0) -> None:
+        self.calls: list[list[str]] = []
+        self.delay = delay
+
+    async def batch(self, bundles):
+        self.calls.append([b.session_id for b in bundles])
+        await trio.sleep(self.delay)
+        return [ValueError("bad") if b.session_id.startswith("bad") else StepResult(token=b.start_position)
+                for b in bundles]
+
+    async def one(self, bundle):
+        self.calls.append([bundle.session_id])
+        await trio.sleep(self.delay)
+        if bundle.session_id.startswith("bad"):
+            raise ValueError("bad")
+        return StepResult(token=bundle.start_position)
+
+
+async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(autojump_clock):
+    rec = _Recorder()
+    batcher = StepBatcher(rec.batch, rec.one, max_batch=3)
+    results = {}
+
+    async def submit(name, bundle, delay=0.0):
+        await trio.sleep(delay)
+        try:
+            results[name] = (await batcher.submit(bundle)).token
+        except ValueError as exc:
+            results[name] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 5))
+        for i, name in enumerate(("b", "c", "d", "e")):  # arrive while a runs
+            nursery.start_soon(submit, name, _bundle(name, Phase.DECODE, 10 + i), 0.1 + i / 100)
+        nursery.start_soon(submit, "p1", _bundle("p1", Phase.PREFILL, 0, 8), 0.2)
+        nursery.start_soon(submit, "p2", _bundle("p2", Phase.PREFILL, 0, 8), 0.25)
+        nursery.start_soon(submit, "bad", _bundle("bad", Phase.DECODE, 3), 0.3)
+    # a alone; then up to 3 waiting decodes with one prefill chunk after them; then the rest
+    assert rec.calls == [["a"], ["b", "c", "d"], ["p1"], ["e", "bad"], ["p2"]]
+    assert results == {"a": 5, "b": 10, "c": 11, "d": 12, "e": 13, "p1": 0, "p2": 0, "bad": "bad"}
+    assert batcher.stats.decode_batches == 3 and batcher.stats.largest_batch == 3
+    assert batcher.stats.prefill_chunks == 2 and batcher.waiting == 0
+
+
+async def test_a_cancelled_waiting_step_leaves_the_queue(autojump_clock):
+    rec = _Recorder()
+    batcher = StepBatcher(rec.batch, rec.one)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.submit, _bundle("a", Phase.DECODE, 5))
+        await trio.sleep(0.1)
+        with trio.move_on_after(0.2):
+            await batcher.submit(_bundle("gone", Phase.DECODE, 7))
+        assert batcher.waiting == 0
+    assert rec.calls == [["a"]]
