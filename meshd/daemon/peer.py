@@ -125,7 +125,7 @@ class Peer:
             api_address=cfg.api,
             hardware=cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu",
                                   cpu_count=os.cpu_count() or 1),
-            tracker_eligible=cfg.tracker_eligible,
+            tracker_eligible=cfg.tracker_eligible and bool(self.reachability.direct_addresses()),
             software_version=__version__,
             memory_budget_bytes=cfg.memory_budget,
         )
@@ -453,7 +453,9 @@ class Peer:
             await self._perform(self.gossip.tick(now))
             self.hops.purge_retained()
             alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
-            self.election.eligible = self.config.tracker_eligible and not self.leaving and self._joined(now)
+            # the tracker must be directly reachable: every peer asks it for routes
+            self.election.eligible = (self.config.tracker_eligible and not self.leaving and self._joined(now)
+                                      and bool(self.reachability.direct_addresses()))
             await self._perform(self.election.tick(now, alive_eligible))
             if self.election.tracker(now) == self.peer_id:
                 self._tracker_duties(now)
