@@ -32,3 +32,14 @@ def reference_generate(model_dir: Path, prompt: list[int], max_new_tokens: int):
 
 PROMPT = [0, 3, 16, 78, 107, 114, 114, 117, 38, 122, 110, 107, 120, 107, 50, 38, 115, 107, 121, 110, 39, 1, 16,
           4, 16, 201, 33, 150, 12, 90, 91, 92, 93]
+
+
+def chat_reference(model_dir: Path, question: str, max_new_tokens: int) -> str:
+    """What single-process greedy generation answers to one user message (no early stop)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=True)["input_ids"]
+    tokens, _ = reference_generate(model_dir, list(prompt), max_new_tokens)
+    return tok.decode(tokens, skip_special_tokens=True)

@@ -17,7 +17,6 @@ import pytest
 import trio
 from nacl.signing import SigningKey
 from openai import OpenAI
-from transformers import AutoTokenizer
 
 from meshd.cards import sign_card
 from meshd.daemon.local_mesh import LocalMesh, budgets_for_split
@@ -25,7 +24,7 @@ from meshd.identity import Identity, peer_id_from_public_key
 from meshd.session.messages import SEAM_PATH, split_address
 from meshd.transport import PeerAuthError, Transport
 from meshd.wire import card_pb2 as cpb
-from tests.helpers import reference_generate
+from tests.helpers import chat_reference
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +51,7 @@ def mesh(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=True)["input_ids"]
-    tokens, _ = reference_generate(tiny_model, list(prompt), N_TOKENS)
-    return tok.decode(tokens, skip_special_tokens=True)
+    return chat_reference(tiny_model, QUESTION, N_TOKENS)
 
 
 def chat(peer, stream: bool) -> tuple[str, object]:

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from meshd.daemon.local_mesh import LocalMesh
-from tests.helpers import reference_generate
+from tests.helpers import chat_reference
 from tests.test_mesh import N_TOKENS, QUESTION, chat, meshctl
 
 pytestmark = pytest.mark.slow
@@ -30,11 +29,7 @@ def relayed(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=True)["input_ids"]
-    tokens, _ = reference_generate(tiny_model, list(prompt), N_TOKENS)
-    return tok.decode(tokens, skip_special_tokens=True)
+    return chat_reference(tiny_model, QUESTION, N_TOKENS)
 
 
 def peer_row(viewer, peer_id: str) -> dict:

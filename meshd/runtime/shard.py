@@ -270,19 +270,7 @@ class Shard:
         hidden = self.embed(x) if self.embed is not None else x
         hidden = hidden.unsqueeze(0)
         position_ids = torch.arange(start, start + n, dtype=torch.long).unsqueeze(0)
-        position_embeddings = self.rotary(hidden, position_ids)
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for layer, window in zip(self.layers, self.windows, strict=True):
-            if window not in masks:
-                masks[window] = _attention_mask(start, n, window)
-            hidden = layer(
-                hidden,
-                attention_mask=masks[window],
-                position_ids=position_ids,
-                cache=session,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-            )
+        hidden = self._run_layers(hidden, position_ids, session, lambda window: _attention_mask(start, n, window))
         if self.lm_head is None:
             return StepResult(hidden_states=hidden[0])
         if not bundle.sample:
@@ -292,20 +280,14 @@ class Shard:
         token = sample_token(logits, session.sampling, position=start + n)
         return StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
 
-    @torch.inference_mode()
-    def _compute_batch(self, xs: list[torch.Tensor], sessions: list[SessionKV],
-                       bundles: list[HiddenStateBundle]) -> list[StepResult]:
-        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` batch."""
-        stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
-        hidden = self.embed(stacked) if self.embed is not None else stacked
-        lengths = [s.length for s in sessions]
-        position_ids = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache,
+                    mask_for: Callable[[int | None], torch.Tensor | None]) -> torch.Tensor:
+        """This shard's decoder layers over ``hidden``; one attention mask per sliding-window size."""
         position_embeddings = self.rotary(hidden, position_ids)
-        cache = BatchCache(sessions)
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
         for layer, window in zip(self.layers, self.windows, strict=True):
             if window not in masks:
-                masks[window] = _batch_decode_mask(lengths, window)
+                masks[window] = mask_for(window)
             hidden = layer(
                 hidden,
                 attention_mask=masks[window],
@@ -314,6 +296,18 @@ class Shard:
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
+        return hidden
+
+    @torch.inference_mode()
+    def _compute_batch(self, xs: list[torch.Tensor], sessions: list[SessionKV],
+                       bundles: list[HiddenStateBundle]) -> list[StepResult]:
+        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` batch."""
+        stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
+        hidden = self.embed(stacked) if self.embed is not None else stacked
+        lengths = [s.length for s in sessions]
+        position_ids = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+        hidden = self._run_layers(hidden, position_ids, BatchCache(sessions),
+                                  lambda window: _batch_decode_mask(lengths, window))
         if self.lm_head is None:
             return [StepResult(hidden_states=hidden[b]) for b in range(len(sessions))]
         wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
