@@ -15,7 +15,6 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -52,12 +51,6 @@ TOKENIZER_PATH = "/meshd/tokenizer"
 ROUTE_ASK_TIMEOUT_S = 2.0
 PLACEMENT_RETRY_S = 30.0
 UNREACHABLE_FOR_S = 10.0
-
-
-@dataclass
-class TokenizerEntry:
-    tokenizer: object
-    context_length: int
 
 
 class Peer:
@@ -106,7 +99,7 @@ class Peer:
         self.api_port: int | None = None
         self.control_port: int | None = None
         self.listen_port: int | None = None
-        self._tokenizers: dict[str, TokenizerEntry] = {}
+        self._tokenizers: dict[str, object] = {}  # by compat key
         self._placement_orders: dict[str, tuple[tuple[int, int], float]] = {}
         self._unreachable: dict[str, float] = {}
         self._epochs = itertools.count(1)
@@ -136,16 +129,12 @@ class Peer:
                 range_start=start, range_end=end if self.host and self.host.range else 0,
                 decode_tok_s=self.decode_tok_s, pinned=cfg.layers is not None,
                 layer_bytes=self.model.layer_bytes, edge_bytes=self.model.edge_bytes,
-                context_length=self._context_length_local(),
+                context_length=self.model.context_length,
             ))
         if self.host is not None:
             card.load.CopyFrom(cpb.Load(active_sessions=self.hops.active_sessions, queued=self.hops.queued))
             card.kv_free_bytes = self.host.kv_free_bytes
         return card
-
-    def _context_length_local(self) -> int:
-        doc = json.loads((self.config.model / "config.json").read_text())
-        return int(doc.get("max_position_embeddings", 2048))
 
     def republish_card(self) -> None:
         self.gossip.issuer.template = self._card_template()
@@ -285,16 +274,16 @@ class Peer:
     # -- tokenizers --------------------------------------------------------------------------------
 
     async def tokenizer_for(self, model_id: str, compat_key: str):
-        entry = self._tokenizers.get(compat_key)
-        if entry is not None:
-            return entry.tokenizer
+        tok = self._tokenizers.get(compat_key)
+        if tok is not None:
+            return tok
         from transformers import AutoTokenizer
 
         if self.model is not None and self.model.compat_key == compat_key:
             tok = await trio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(self.model.model_dir))
         else:
             tok = await self._fetch_tokenizer(model_id, compat_key)
-        self._tokenizers[compat_key] = TokenizerEntry(tok, self.context_length(model_id))
+        self._tokenizers[compat_key] = tok
         return tok
 
     async def _fetch_tokenizer(self, model_id: str, compat_key: str):

@@ -196,12 +196,7 @@ class GossipNode:
     def on_message(self, sender: str, msg: pb.GossipMessage, now: float) -> list[Action]:
         """Handle one message; ``sender`` is the peer id the transport authenticated."""
         actions: list[Action] = []
-        for card in msg.cards:
-            self._merge_card(card, now, actions)
-        for digest in msg.updates:
-            self._merge_digest(digest, now, actions)
-        for lease in msg.leases:
-            self._merge_lease(lease, now, actions)
+        self._merge_all(msg.cards, msg.updates, msg.leases, now, actions)
         body = msg.WhichOneof("body")
         if body == "ping":
             ack = pb.Ack(seq=msg.ping.seq, from_peer=self.self_id)
@@ -327,6 +322,15 @@ class GossipNode:
             self._enqueue(peer_id, digest=pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=int(state)))
         if old != state:
             actions.append(MemberChanged(peer_id, old, state))
+
+    def _merge_all(self, cards, digests, leases, now: float, actions: list[Action]) -> None:
+        """Cards first (they prove liveness), then membership claims, then tracker leases."""
+        for card in cards:
+            self._merge_card(card, now, actions)
+        for digest in digests:
+            self._merge_digest(digest, now, actions)
+        for lease in leases:
+            self._merge_lease(lease, now, actions)
 
     def _merge_card(self, signed: pb.SignedCard, now: float, actions: list[Action]) -> None:
         peer_id = peek_peer_id(signed)
@@ -467,12 +471,7 @@ class GossipNode:
         return pb.GossipMessage(push_pull=request)
 
     def _on_push_pull(self, sender: str, pp: pb.PushPull, now: float, actions: list[Action]) -> None:
-        for card in pp.cards:
-            self._merge_card(card, now, actions)
-        for digest in pp.digest:
-            self._merge_digest(digest, now, actions)
-        for lease in pp.leases:
-            self._merge_lease(lease, now, actions)
+        self._merge_all(pp.cards, pp.digest, pp.leases, now, actions)
         if not pp.reply:
             reply = pb.PushPull(reply=True, cards=self._cards_lacking(list(pp.digest)), digest=self._digest(),
                                 leases=self.leases())

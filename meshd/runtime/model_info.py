@@ -36,6 +36,7 @@ class ModelInfo:
     compat_key: str
     tokenizer_digest: str
     weights_digest: str
+    context_length: int
 
 
 def _safetensors_header(path: Path) -> bytes:
@@ -105,4 +106,5 @@ def describe_model(model_dir: Path, model_id: str | None = None) -> ModelInfo:
         compat_key=compat_key_of(adapter.architecture, tok_digest, weights.hexdigest()),
         tokenizer_digest=tok_digest,
         weights_digest=weights.hexdigest(),
+        context_length=int(getattr(config, "max_position_embeddings", 2048)),
     )
