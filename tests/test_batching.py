@@ -238,27 +238,31 @@ class _Recorder:
         self.calls.append([b.session_id for b in bundles])
         await trio.sleep(self.delay)
         return [ValueError("bad") if b.session_id.startswith("bad") else StepResult(token=b.start_position)
-                for b in bundles]
+                for b in bundles], self.delay
 
     async def one(self, bundle):
         self.calls.append([bundle.session_id])
         await trio.sleep(self.delay)
         if bundle.session_id.startswith("bad"):
             raise ValueError("bad")
-        return StepResult(token=bundle.start_position)
+        return StepResult(token=bundle.start_position), self.delay
 
 
 async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(autojump_clock):
     rec = _Recorder()
     batcher = StepBatcher(rec.batch, rec.one, max_batch=3)
     results = {}
+    waited = {}
 
     async def submit(name, bundle, delay=0.0):
         await trio.sleep(delay)
         try:
-            results[name] = (await batcher.submit(bundle)).token
+            result = await batcher.submit(bundle)
         except ValueError as exc:
             results[name] = str(exc)
+        else:
+            results[name] = result.token
+            waited[name] = (round(result.queue_ms), round(result.compute_ms))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 5))
@@ -270,6 +274,9 @@ async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(aut
     # a alone; then up to 3 waiting decodes with one prefill chunk after them; then the rest
     assert rec.calls == [["a"], ["b", "c", "d"], ["p1"], ["e", "bad"], ["p2"]]
     assert results == {"a": 5, "b": 10, "c": 11, "d": 12, "e": 13, "p1": 0, "p2": 0, "bad": "bad"}
+    # each step's time is split into waiting for the compute and computing (1 s per call here)
+    assert waited["a"] == (0, 1000) and waited["b"] == (900, 1000) and waited["d"] == (880, 1000)
+    assert waited["p1"] == (1800, 1000) and waited["e"] == (2870, 1000)
     assert batcher.stats.decode_batches == 3 and batcher.stats.largest_batch == 3
     assert batcher.stats.prefill_chunks == 2 and batcher.waiting == 0
 

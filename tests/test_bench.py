@@ -45,6 +45,10 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert set(report["ttft_ms"]) == {"baseline", "1", "2"} and all(v > 0 for v in report["ttft_ms"].values())
     assert set(report["aggregate_tok_s"]) == {"1", "2"} and all(v > 0 for v in report["aggregate_tok_s"].values())
     assert report["batching_gain_concurrency"] == 2
+    assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
+    assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
+    for kind in ("thread_handoff_us", "process_round_trip_us"):
+        assert all(report["wakeup"][kind][when]["p50"] > 0 for when in ("hot", "idle")), kind
     assert [len(report["peer_rss_mb"][k]) for k in ("1", "2")] == [1, 2]
     assert all(v > 0 for values in report["peer_rss_mb"].values() for v in values)
     assert report["seam_ms"]["1"]["p50"] is None  # one peer: no hidden-state seam, only the entry's
@@ -52,5 +56,14 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     hops = report["profile"]["2"]["hops"]
     assert [h["layers"] for h in hops] == [[0, 2], [2, 4]]
     assert all(h["compute_ms"]["count"] > 0 and h["compute_ms"]["p50"] > 0 for h in hops)
+    for part in ("deserialize_ms", "queue_ms"):
+        assert all(h[part]["count"] > 0 and h[part]["mean"] >= 0 for h in hops), part
+    assert hops[0]["serialize_ms"]["count"] > 0 and hops[0]["serialize_ms"]["mean"] > 0
+    assert hops[1]["serialize_ms"]["count"] == 0  # the tail sends tokens, not bundles
+    assert all(h["network_ms"] is not None and h["network_ms"] >= 0 for h in hops)
+    # one traversal of the route per decode token: the entry's bundle into the head, one hidden seam
+    assert report["seam_transfers_per_token"] == {"1": 1.0, "2": 2.0}
+    split = report["profile"]["2"]["split"]
+    assert set(split) == {"deserialize_ms", "queue_ms", "compute_ms", "serialize_ms", "network_ms", "other_ms"}
     assert "tokens identical to the baseline: yes" in run.stdout
     assert "mesh of 2: concurrency 2" in run.stderr

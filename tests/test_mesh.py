@@ -253,3 +253,24 @@ def test_partial_coverage_answers_503_with_the_missing_ranges(tiny_model, tmp_pa
         assert httpx.get(f"http://{peer.api}/v1/models").json()["data"] == []
         run = meshctl(peer, "route", "tiny")
         assert run.returncode == 1 and "[2, 4)" in run.stderr
+
+
+def test_compressed_prefill_bundles_give_the_same_tokens(tiny_model, tmp_path):
+    """Two peers told to compress every large bundle: the prefill crosses the seam compressed (the
+    tiny model's hidden states are 256 bytes a token, so a 400-token chunk is over the threshold),
+    and the answer is token for token the single-process one."""
+    question = "Tell me about layers. " * 18
+    expected = chat_reference(tiny_model, question, 8)
+    extra = ["--compression", "always", "--chunk-tokens", "512"]
+    with LocalMesh(tmp_path / "zstd") as m:
+        head, tail = m.start_peers([dict(model=tiny_model, layers=(0, 2), extra=extra),
+                                    dict(model=tiny_model, layers=(2, 4), extra=extra)])
+        m.wait_covered("tiny", timeout=60)
+        reply = client(head).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=8,
+            extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens >= 300
+        assert reply.choices[0].message.content == expected
+        stats = head.get("/stats")
+        assert stats["compressed_bundles"] >= 1 and stats["compression_saved_bytes"] > 0
+        assert tail.get("/stats")["compressed_bundles"] == 0  # the tail sends tokens only

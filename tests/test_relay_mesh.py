@@ -86,14 +86,15 @@ def test_relay_restart_peers_re_register_and_sessions_succeed(relayed, reference
     assert again.metrics()["meshd_relay_circuits_total"] >= 1
 
 
-def test_bench_relay_writes_seam_percentiles(tmp_path):
+def test_bench_relay_writes_seam_percentiles_and_the_compression_tradeoff(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "bench-relay.json"
     run = subprocess.run([sys.executable, "-m", "meshd.cli.meshctl_main", "bench-relay", "--samples", "10",
-                          "--out", str(out), "--workdir", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=120, check=False)
+                          "--compression", "--compression-tokens", "384", "--compression-samples", "2",
+                          "--link-caps", "4MB", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=180, check=False)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     for link in ("direct", "relayed"):
@@ -102,3 +103,10 @@ def test_bench_relay_writes_seam_percentiles(tmp_path):
             assert row["n"] == 10 and 0 < row["p50_ms"] <= row["p95_ms"]
     assert report["seam"]["relay_metrics"]['meshd_relay_bytes_relayed_total{direction="to_peer"}'] > 0
     assert "relayed" in run.stdout
+    tradeoff = report["compression"]
+    assert set(tradeoff) == {"chunk_bytes", "samples", "direct", "relayed", "relayed, capped at 4MB/s"}
+    for link in ("direct", "relayed", "relayed, capped at 4MB/s"):
+        row = tradeoff[link]
+        assert row["zstd"]["bytes"] < row["raw"]["bytes"] and row["raw"]["n"] == row["zstd"]["n"] == 2
+    # 1.5 MiB at 4 MB/s is 0.4 s on the link; compressing it costs milliseconds: the policy compresses
+    assert tradeoff["relayed, capped at 4MB/s"]["policy_compresses"] is True

@@ -42,44 +42,55 @@ class _Timestamps:
         pass
 
 
-def run_baseline(model_dir: Path, prompt_ids: list[int], new_tokens: int, runs: int = 3) -> BaselineResult:
-    """Greedy generation of exactly ``new_tokens`` (no EOS stop), timed per token."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+class Baseline:
+    """The whole model loaded once in this process; :meth:`measure` times greedy generation of exactly
+    ``new_tokens`` (no EOS stop) per token, as often as asked (the benchmark measures it again
+    between meshes, so that every mesh is compared with a baseline taken next to it in time)."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    input_ids = torch.tensor([prompt_ids])
-    attention_mask = torch.ones_like(input_ids)
+    def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    def generate(max_new: int, streamer=None):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.prompt_ids = list(prompt_ids)
+        self.new_tokens = new_tokens
+        self.token_ids: list[int] | None = None
+        self._generate(min(4, new_tokens))  # warm-up: first-call allocations and kernel selection
+
+    def _generate(self, max_new: int, streamer=None):
+        import torch
+        from transformers import GenerationConfig
+
+        input_ids = torch.tensor([self.prompt_ids])
         config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                                  pad_token_id=model.config.pad_token_id)
+                                  pad_token_id=self.model.config.pad_token_id)
         with torch.inference_mode():
-            return model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                                  streamer=streamer)
+            return self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                       generation_config=config, streamer=streamer)
 
-    generate(min(4, new_tokens))  # warm-up: first-call allocations and kernel selection
-    token_ids: list[int] | None = None
-    runs_tok_s: list[float] = []
-    runs_ttft_ms: list[float] = []
-    for _ in range(runs):
-        stamps = _Timestamps()
-        started = time.perf_counter()
-        out = generate(new_tokens, stamps)
-        ids = out[0, len(prompt_ids):].tolist()
-        if token_ids is not None and ids != token_ids:
-            raise RuntimeError("greedy baseline generation is not deterministic across runs")
-        token_ids = ids
-        runs_ttft_ms.append((stamps.times[0] - started) * 1000)
-        span = stamps.times[-1] - stamps.times[0]
-        runs_tok_s.append((len(stamps.times) - 1) / span if span > 0 else 0.0)
-    assert token_ids is not None
-    rss_mb = psutil.Process().memory_info().rss / 2**20
-    threads = torch.get_num_threads()
-    return BaselineResult(
-        token_ids=token_ids, decode_tok_s=statistics.median(runs_tok_s), ttft_ms=statistics.median(runs_ttft_ms),
-        runs_tok_s=runs_tok_s, runs_ttft_ms=runs_ttft_ms, rss_mb=rss_mb, model_bytes=model_bytes,
-        torch_threads=threads,
-    )
+    def measure(self, runs: int) -> BaselineResult:
+        import torch
+
+        runs_tok_s: list[float] = []
+        runs_ttft_ms: list[float] = []
+        for _ in range(runs):
+            stamps = _Timestamps()
+            started = time.perf_counter()
+            out = self._generate(self.new_tokens, stamps)
+            ids = out[0, len(self.prompt_ids):].tolist()
+            if self.token_ids is not None and ids != self.token_ids:
+                raise RuntimeError("greedy baseline generation is not deterministic across runs")
+            self.token_ids = ids
+            runs_ttft_ms.append((stamps.times[0] - started) * 1000)
+            span = stamps.times[-1] - stamps.times[0]
+            runs_tok_s.append((len(stamps.times) - 1) / span if span > 0 else 0.0)
+        assert self.token_ids is not None
+        return BaselineResult(
+            token_ids=self.token_ids, decode_tok_s=statistics.median(runs_tok_s),
+            ttft_ms=statistics.median(runs_ttft_ms), runs_tok_s=runs_tok_s, runs_ttft_ms=runs_ttft_ms,
+            rss_mb=psutil.Process().memory_info().rss / 2**20, model_bytes=self.model_bytes,
+            torch_threads=torch.get_num_threads(),
+        )
+

@@ -11,7 +11,13 @@ With ``--decode`` it also serves the ``bench`` model from two local peers with e
 ranges, once with both direct and once with the tail reachable only through the relay, and reports
 decode tokens/s of each and whether their outputs are identical.
 
-The relay runs without a bandwidth cap here: the figures are the cost of the relay path itself.
+The relay runs without a bandwidth cap there: the figures are the cost of the relay path itself.
+
+With ``--compression`` it also measures what zstd over byte planes does to one prefill chunk on
+links of different speeds: direct, relayed without a cap, and relayed through relays capped at
+``--link-caps`` (as an operator's cap, or a slow uplink, would). Each sample is the whole cost of
+one chunk: encoding (compressed or not), sending it until the receiver acknowledged it, and
+decoding it; alongside, the decision the per-link policy takes from the same measurements.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from meshd.transport import Transport
 from meshd.transport.relay import RelayRegistration, relay_address
 
 ECHO_PATH = "/bench/echo"
+ACK_PATH = "/bench/ack"
+LINK_CAPS = "12.5MB,125MB"  # 100 Mbit/s and 1 Gbit/s
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -60,12 +68,22 @@ async def _echo(stream) -> None:
     await stream.end()
 
 
+async def _ack(stream) -> None:
+    async for _message in stream:
+        await stream.send_message(b"k")
+    await stream.end()
+
+
+async def _serve(stream) -> None:
+    await (_ack if stream.path == ACK_PATH else _echo)(stream)
+
+
 async def _serve_echo(relay: str, ready: Path) -> None:
     async with Transport(Identity.generate()) as transport, trio.open_nursery() as nursery:
-        port = await nursery.start(transport.serve, "127.0.0.1", 0, _echo)
+        port = await nursery.start(transport.serve, "127.0.0.1", 0, _serve)
 
         async def on_circuit(stream, remote: str) -> None:
-            await transport.accept_stream(stream, _echo, remote)
+            await transport.accept_stream(stream, _serve, remote)
 
         registration = RelayRegistration(transport.identity, relay, on_circuit)
         nursery.start_soon(registration.run)
@@ -106,32 +124,113 @@ async def _measure(peer_id: str, direct: tuple[str, int], relayed: str, sizes: d
     return out
 
 
+class _EchoPeer:
+    """The echo peer child process, registered with ``relay``, for as long as the ``with`` lasts."""
+
+    def __init__(self, workdir: Path, relay: str) -> None:
+        self.workdir, self.relay = workdir, relay
+
+    def __enter__(self) -> dict:
+        ready = self.workdir / "echo.json"
+        ready.unlink(missing_ok=True)
+        self.log = (self.workdir / "echo.log").open("ab")
+        self.process = subprocess.Popen([sys.executable, "-m", "meshd.bench.relay", "--serve-echo", self.relay,
+                                         "--ready", str(ready)], stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"echo peer did not start; see {self.workdir / 'echo.log'}")
+            time.sleep(0.05)
+        return json.loads(ready.read_text())
+
+    def __exit__(self, *_exc: object) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
 def seam_latency(workdir: Path, hidden_size: int, chunk_tokens: int, samples: int, say) -> dict:
     sizes = {"decode_step": hidden_size * 4, "prefill_chunk": chunk_tokens * hidden_size * 4}
     with LocalMesh(workdir, log_level="warning") as mesh:
         relay = mesh.start_relay(extra=["--bandwidth", "0"])  # the relay's cost, not an operator's cap
-        ready = workdir / "echo.json"
-        log = (workdir / "echo.log").open("ab")
-        echo = subprocess.Popen([sys.executable, "-m", "meshd.bench.relay", "--serve-echo", relay.address,
-                                 "--ready", str(ready)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                if echo.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"echo peer did not start; see {workdir / 'echo.log'}")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
+        with _EchoPeer(workdir, relay.address) as info:
             say(f"seam latency: {samples} samples per link and size, sizes {sizes}")
             result = trio.run(_measure, info["peer_id"], ("127.0.0.1", info["port"]),
                               relay_address(relay.address), sizes, samples)
             result["relay_metrics"] = {k: v for k, v in relay.metrics().items()
                                        if k.startswith(("meshd_relay_bytes", "meshd_relay_circuits_total"))}
-        finally:
-            echo.terminate()
-            echo.wait(timeout=10)
-            log.close()
     return result
+
+
+async def _chunk_costs(peer_id: str, address, chunk, samples: int) -> dict:
+    """Encode, send until acknowledged, decode: one prefill chunk, raw and compressed, alternately."""
+    from meshd.session import messages as m
+    from meshd.session.link_compression import CompressionPolicy
+    from meshd.wire import bundle as wire
+
+    raw_bytes = wire.raw_tensor_bytes(chunk)
+    policy = CompressionPolicy()
+    times: dict[str, list[float]] = {"raw": [], "zstd": []}
+    wire_bytes: dict[str, int] = {}
+    async with Transport(Identity.generate()) as side:
+        stream = await side.open_stream(peer_id, address, ACK_PATH)
+        policy.window_bytes = side.config.stream_window
+        for i in range(samples + 2):
+            for kind in ("raw", "zstd") if i % 2 == 0 else ("zstd", "raw"):
+                started = time.perf_counter()
+                data = m.bundle_msg(wire.encode(chunk, compress=kind == "zstd"))
+                encoded = time.perf_counter()
+                await stream.send_message(data)
+                sent = time.perf_counter()  # what the hop times for its policy: the send alone
+                if await stream.receive_message() != b"k":
+                    raise RuntimeError("the receiver did not acknowledge the chunk")
+                wire.decode(m.parse(data).bundle)
+                done = time.perf_counter()
+                if i < 2:
+                    continue  # warm-up
+                wire_bytes[kind] = len(data)
+                times[kind].append((done - started) * 1000)
+                policy.record_send(len(data), sent - encoded)
+                if kind == "zstd":
+                    policy.record_compression(raw_bytes, len(data), encoded - started)
+        await stream.aclose()
+    raw_ms, zstd_ms = statistics.median(times["raw"]), statistics.median(times["zstd"])
+    return {"raw": {"bytes": wire_bytes["raw"], **summarize(times["raw"])},
+            "zstd": {"bytes": wire_bytes["zstd"], **summarize(times["zstd"])},
+            "zstd_saves_time": zstd_ms < raw_ms, "zstd_time_ratio": round(zstd_ms / raw_ms, 3),
+            "policy_compresses": policy.should_compress(raw_bytes),
+            "policy_link_mb_s": round((policy.link_bytes_per_s or 0) / 1e6, 1)}
+
+
+def compression_tradeoff(workdir: Path, hidden_size: int, chunk_tokens: int, caps: list[str], samples: int,
+                         say) -> dict:
+    import torch
+
+    from meshd.wire.bundle import HiddenStateBundle, Phase
+
+    # Hidden states of the bench model and normal noise of the same scale compress alike (both to
+    # about 84% of their bytes); noise needs no model loaded.
+    tensor = torch.randn(chunk_tokens, hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    chunk = HiddenStateBundle(session_id="bench", epoch=0, phase=Phase.PREFILL, start_position=0,
+                              token_count=chunk_tokens, tensors={"hidden_states": tensor}, range_start=0,
+                              range_end=1)
+    out: dict = {"chunk_bytes": tensor.numel() * 4, "samples": samples}
+    for cap in ["0", *caps]:
+        label = "relayed" if cap == "0" else f"relayed, capped at {cap}/s"
+        with LocalMesh(workdir / f"cap-{cap}", log_level="warning") as mesh:
+            relay = mesh.start_relay(extra=["--bandwidth", cap, "--bandwidth-burst", "256KiB"])
+            with _EchoPeer(workdir / f"cap-{cap}", relay.address) as info:
+                links = {label: relay_address(relay.address)}
+                if cap == "0":
+                    links = {"direct": ("127.0.0.1", info["port"]), **links}
+                for name, address in links.items():
+                    out[name] = trio.run(_chunk_costs, info["peer_id"], address, chunk, samples)
+                    say(f"compression, {name}: raw {out[name]['raw']['p50_ms']} ms, zstd "
+                        f"{out[name]['zstd']['p50_ms']} ms; the policy "
+                        f"{'compresses' if out[name]['policy_compresses'] else 'sends raw'}")
+    return out
 
 
 def decode_speed(workdir: Path, model: str, new_tokens: int, runs: int, say) -> dict:
@@ -177,6 +276,10 @@ def run(args: argparse.Namespace, say) -> dict:
                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
         "seam": seam_latency(workdir / "seam", args.hidden_size, args.chunk_tokens, args.samples, say),
     }
+    if args.compression:
+        caps = [c.strip() for c in args.link_caps.split(",") if c.strip()]
+        report["compression"] = compression_tradeoff(workdir / "compression", args.hidden_size,
+                                                     args.compression_tokens, caps, args.compression_samples, say)
     if args.decode:
         report["decode"] = decode_speed(workdir / "decode", args.model, args.new_tokens, args.runs, say)
     return report
@@ -187,6 +290,14 @@ def format_summary(report: dict) -> str:
     for link in ("direct", "relayed"):
         for label, row in report["seam"][link].items():
             lines.append(f"{link:<8} {label:<14} {row['p50_ms']:>7.3f}  {row['p95_ms']:>7.3f}  {row['mean_ms']:>8.3f}")
+    if "compression" in report:
+        c = report["compression"]
+        lines += ["", f"one prefill chunk of {c['chunk_bytes']} bytes: encode + send + decode, p50 ms",
+                  "link                              raw      zstd   zstd/raw  policy"]
+        for name, row in c.items():
+            if isinstance(row, dict):
+                lines.append(f"{name:<30} {row['raw']['p50_ms']:>8.2f}  {row['zstd']['p50_ms']:>8.2f}  "
+                             f"{row['zstd_time_ratio']:>8.3f}  {'zstd' if row['policy_compresses'] else 'raw'}")
     if "decode" in report:
         d = report["decode"]
         lines.append(f"decode tok/s ({d['model']}, 2 peers): direct {d['direct']['median_decode_tok_s']}, "
@@ -199,6 +310,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=1024, metavar="N",
                         help="hidden size for the message sizes (default 1024, the bench model's)")
     parser.add_argument("--chunk-tokens", type=int, default=128, metavar="N", help="prefill chunk in tokens")
+    parser.add_argument("--compression", action="store_true",
+                        help="also measure zstd on a prefill chunk over direct, relayed and capped links")
+    parser.add_argument("--compression-tokens", type=int, default=512, metavar="N",
+                        help="tokens in the chunk for --compression (default 512)")
+    parser.add_argument("--compression-samples", type=int, default=20, metavar="N",
+                        help="chunks per link and encoding for --compression (default 20)")
+    parser.add_argument("--link-caps", default=LINK_CAPS, metavar="LIST",
+                        help=f"relay bandwidth caps for --compression (default {LINK_CAPS})")
     parser.add_argument("--decode", action="store_true",
                         help="also measure decode tok/s of --model on 2 peers, tail direct vs relayed")
     parser.add_argument("--model", default="bench", metavar="NAME|DIR", help="model for --decode (default bench)")

@@ -3,9 +3,12 @@
 Keys that are peer counts or concurrency levels are strings in JSON ("1", "2", ...). Seams are the
 hidden-state hops between peers (``seam_ms``, measured by the receiving peer); the entry's token
 bundles into the head peer are reported apart (``entry_*``), as they carry token ids, not hidden
-states. Time per decode step is attributed to compute (each hop's forward), seams (entry and
-hidden), and the rest (the tail's token back to the entry, the entry and the API), using the means
-over every decode step of the single-session runs.
+states. Time per decode step is attributed, per hop and using the means over every decode step of
+the single-session runs, to deserializing the incoming bundle, queueing for the compute thread,
+compute (the forward), serializing the outgoing bundle, and the network between the sender's
+serializing and the receiver's deserializing; what is left is the tail's token back to the entry,
+the entry and the API (``other``). ``seam_transfers_per_token`` counts the bundles that crossed a
+seam per decode step: one traversal of the route is one per hop.
 """
 
 from __future__ import annotations
@@ -25,29 +28,52 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+PARTS = ("deserialize_ms", "queue_ms", "compute_ms", "serialize_ms")
+
+
+def _window(stats: dict, name: str) -> dict:
+    window = stats.get(name) or {"count": 0}
+    return {q: _r(window.get(q)) for q in ("p50", "p95", "mean")} | {"count": window["count"]}
+
+
 def _hop_profile(index: int, start_end: tuple[int, int], peer_id: str, stats: dict) -> dict:
-    seam = stats["entry_seam_ms"] if index == 0 else stats["seam_ms"]
-    compute = stats["compute_ms"]
     return {
         "hop": index, "peer_id": peer_id, "layers": list(start_end),
-        "compute_ms": {q: _r(compute.get(q)) for q in ("p50", "p95", "mean")} | {"count": compute["count"]},
+        **{part: _window(stats, part) for part in PARTS},
         "seam_in": "entry" if index == 0 else "hidden",
-        "seam_in_ms": {q: _r(seam.get(q)) for q in ("p50", "p95", "mean")} | {"count": seam["count"]},
+        "seam_in_ms": _window(stats, "entry_seam_ms" if index == 0 else "seam_ms"),
         "bundle_bytes_p50": stats["decode_bundle_bytes"].get("p50"),
     }
 
 
-def _mesh_figures(mesh, baseline_tok_s: float) -> dict:
+def _attribute(hops: list[dict]) -> None:
+    """Give each hop ``network_ms``: the mean time its incoming bundle spent between the sender's
+    serializing and this hop's deserializing (sockets, HTTP/2 and both event loops). The entry's own
+    encoding of a token id is not measured apart and counts as network."""
+    for i, hop in enumerate(hops):
+        seam = hop["seam_in_ms"]["mean"]
+        sent = hops[i - 1]["serialize_ms"]["mean"] if i > 0 else 0.0
+        parsed = hop["deserialize_ms"]["mean"]
+        hop["network_ms"] = None if None in (seam, sent, parsed) else _r(max(0.0, seam - sent - parsed))
+
+
+def _mesh_figures(mesh) -> dict:
     tok_s = statistics.median(r.decode_tok_s for r in mesh.runs)
+    baseline_tok_s = statistics.median(mesh.baseline_tok_s)
     hops = [_hop_profile(i, mesh.ranges[i], mesh.peer_ids[i], s) for i, s in enumerate(mesh.hop_stats)]
+    _attribute(hops)
     hidden = [s["seam_ms"] for s in mesh.hop_stats[1:] if s["seam_ms"]["count"]]
     hidden_bytes = [s["decode_bundle_bytes"]["p50"] for s in mesh.hop_stats[1:] if s["decode_bundle_bytes"]["count"]]
     entry = mesh.hop_stats[0]["entry_seam_ms"]
     step_ms = _mean([1000 / r.decode_tok_s for r in mesh.runs if r.decode_tok_s])
-    compute_ms = sum(h["compute_ms"]["mean"] or 0.0 for h in hops)
+    split = {part: _r(sum(h[part]["mean"] or 0.0 for h in hops)) for part in PARTS}
+    split["network_ms"] = _r(sum(h["network_ms"] or 0.0 for h in hops))
+    accounted = sum(v or 0.0 for v in split.values())
     seams_ms = sum(h["seam_in_ms"]["mean"] or 0.0 for h in hops)
+    steps = hops[-1]["compute_ms"]["count"]
+    transfers = sum(h["seam_in_ms"]["count"] for h in hops)
     return {
-        "tok_s": tok_s, "ratio": tok_s / baseline_tok_s,
+        "tok_s": tok_s, "ratio": tok_s / baseline_tok_s, "baseline_tok_s": baseline_tok_s,
         "ttft_ms": statistics.median(r.ttft_ms for r in mesh.runs),
         "seam": {
             "p50": _r(_mean([s["p50"] for s in hidden])), "p95": _r(_mean([s["p95"] for s in hidden])),
@@ -55,9 +81,13 @@ def _mesh_figures(mesh, baseline_tok_s: float) -> dict:
             "entry_p50": _r(entry.get("p50")), "entry_p95": _r(entry.get("p95")),
         },
         "bytes": {"hidden": _mean(hidden_bytes), "entry": mesh.hop_stats[0]["decode_bundle_bytes"].get("p50")},
+        # bundles that crossed a seam per decode step: the entry's into the head, then one per later hop
+        "seam_transfers_per_token": _r(transfers / steps) if steps else None,
         "profile": {
-            "step_ms": _r(step_ms), "compute_ms": _r(compute_ms), "seams_ms": _r(seams_ms),
-            "other_ms": _r(step_ms - compute_ms - seams_ms) if step_ms else None, "hops": hops,
+            "step_ms": _r(step_ms), "compute_ms": split["compute_ms"], "seams_ms": _r(seams_ms),
+            "other_ms": _r(step_ms - split["compute_ms"] - seams_ms - split["queue_ms"]) if step_ms else None,
+            "split": split | {"other_ms": _r(step_ms - accounted) if step_ms else None},
+            "hops": hops,
         },
         "runs": {"tok_s": [_r(r.decode_tok_s) for r in mesh.runs], "ttft_ms": [_r(r.ttft_ms) for r in mesh.runs],
                  "chunks": [r.chunks for r in mesh.runs]},
@@ -65,7 +95,7 @@ def _mesh_figures(mesh, baseline_tok_s: float) -> dict:
 
 
 def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
-    figures = {str(m.peers): _mesh_figures(m, baseline.decode_tok_s) for m in meshes}
+    figures = {str(m.peers): _mesh_figures(m) for m in meshes}
     largest = max(meshes, key=lambda m: m.peers)
     top = figures[str(largest.peers)]
     aggregate = dict(sorted(largest.aggregate_tok_s.items()))
@@ -75,13 +105,16 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         **meta,
         "baseline_tok_s": _r(baseline.decode_tok_s),
         "mesh_tok_s": {k: _r(f["tok_s"]) for k, f in figures.items()},
+        # each mesh against the baseline runs just before and after it (its own entry here)
         "ratio": {k: _r(f["ratio"], 4) for k, f in figures.items()},
+        "baseline_tok_s_by_peers": {k: _r(f["baseline_tok_s"]) for k, f in figures.items()},
         "ttft_ms": {"baseline": _r(baseline.ttft_ms)} | {k: _r(f["ttft_ms"]) for k, f in figures.items()},
         "seam_ms_p50": top["seam"]["p50"],
         "seam_ms_p95": top["seam"]["p95"],
         "seam_ms": {k: f["seam"] for k, f in figures.items()},
         "bytes_per_token_per_seam": top["bytes"]["hidden"],
         "bytes_per_token": {k: f["bytes"] for k, f in figures.items()},
+        "seam_transfers_per_token": {k: f["seam_transfers_per_token"] for k, f in figures.items()},
         "aggregate_tok_s": {str(c): _r(v) for c, v in aggregate.items()},
         "aggregate_peers": largest.peers,
         "batching_gain": _r(gain, 4),
@@ -115,22 +148,31 @@ def format_summary(report: dict) -> str:
         f"{report['new_tokens']} new tokens, {report['torch_threads']} torch threads, {report['cpu_count']} CPUs",
         "",
         f"{'':10}{'tok/s':>9}{'ratio':>8}{'TTFT ms':>10}{'seam p50/p95 ms':>18}{'B/tok/seam':>12}"
-        f"{'step ms = compute + seams + other':>38}  {'RSS MB':<20}identical",
+        f"{'step ms = compute + queue + seams + other':>46}  {'RSS MB':<20}identical",
     ]
     base_step = report["profile"]["baseline_step_ms"]
     lines.append(f"{'baseline':10}{report['baseline_tok_s']:>9.2f}{1:>8.3f}{report['ttft_ms']['baseline']:>10.1f}"
-                 f"{'-':>18}{'-':>12}{_fmt(base_step):>38}  {report['baseline_rss_mb']:<20.0f}-")
+                 f"{'-':>18}{'-':>12}{_fmt(base_step):>46}  {report['baseline_rss_mb']:<20.0f}-")
     for k, tok_s in report["mesh_tok_s"].items():
         seam = report["seam_ms"][k]
         prof = report["profile"][k]
         seams = f"{_fmt(seam['p50'], '.3f')}/{_fmt(seam['p95'], '.3f')}"
-        split = (f"{_fmt(prof['step_ms'])} = {_fmt(prof['compute_ms'])} + {_fmt(prof['seams_ms'])} + "
-                 f"{_fmt(prof['other_ms'])}")
+        split = (f"{_fmt(prof['step_ms'])} = {_fmt(prof['compute_ms'])} + {_fmt(prof['split']['queue_ms'])} + "
+                 f"{_fmt(prof['seams_ms'])} + {_fmt(prof['other_ms'])}")
         rss = "/".join(f"{v:.0f}" for v in report["peer_rss_mb"][k])
         label = f"{k} peer" + ("s" if k != "1" else "")
         lines.append(f"{label:10}{tok_s:>9.2f}{report['ratio'][k]:>8.3f}{report['ttft_ms'][k]:>10.1f}{seams:>18}"
-                     f"{_fmt(report['bytes_per_token'][k]['hidden'], '.0f'):>12}{split:>38}  {rss:<20}"
+                     f"{_fmt(report['bytes_per_token'][k]['hidden'], '.0f'):>12}{split:>46}  {rss:<20}"
                      f"{'yes' if report['tokens_identical_by_peers'][k] else 'NO'}")
+    brackets = ", ".join(f"{k} peer{'s' if k != '1' else ''} {v:.2f}"
+                         for k, v in report["baseline_tok_s_by_peers"].items())
+    lines.append(f"each ratio is against the baseline runs just before and after that mesh (tok/s): {brackets}")
+    wake = report.get("wakeup")
+    if wake:
+        thread, process = wake["thread_handoff_us"], wake["process_round_trip_us"]
+        lines.append(f"wake-ups on this machine, p50 us hot / after {wake['idle_ms']:.0f} ms idle: thread hand-off "
+                     f"{thread['hot']['p50']:.0f} / {thread['idle']['p50']:.0f}, process round trip "
+                     f"{process['hot']['p50']:.0f} / {process['idle']['p50']:.0f}")
     if report["aggregate_tok_s"]:
         levels = ", ".join(f"c={c}: {v:.2f}" for c, v in report["aggregate_tok_s"].items())
         gain = report["batching_gain"]
@@ -138,10 +180,16 @@ def format_summary(report: dict) -> str:
                   + (f"; batching gain (c={report['batching_gain_concurrency']} / c=1) {gain:.2f}x" if gain else "")]
     k = max(report["mesh_tok_s"], key=int)
     hops = report["profile"][k]["hops"]
-    lines += ["", f"per hop, {k} peers (decode step means, ms):"]
+    lines += ["", f"per hop, {k} peers (decode step means, ms; network = seam in - sender's serialize "
+              "- own deserialize):"]
     for hop in hops:
-        lines.append(f"  hop {hop['hop']} layers [{hop['layers'][0]},{hop['layers'][1]}): compute "
-                     f"{_fmt(hop['compute_ms']['mean'], '.3f')}, {hop['seam_in']} seam in "
-                     f"{_fmt(hop['seam_in_ms']['mean'], '.3f')}, {_fmt(hop['bundle_bytes_p50'], '.0f')} B/bundle")
+        lines.append(f"  hop {hop['hop']} layers [{hop['layers'][0]},{hop['layers'][1]}): "
+                     f"{hop['seam_in']} seam in {_fmt(hop['seam_in_ms']['mean'], '.3f')} "
+                     f"(network {_fmt(hop['network_ms'], '.3f')}), deserialize "
+                     f"{_fmt(hop['deserialize_ms']['mean'], '.3f')}, queue {_fmt(hop['queue_ms']['mean'], '.3f')}, "
+                     f"compute {_fmt(hop['compute_ms']['mean'], '.3f')}, serialize "
+                     f"{_fmt(hop['serialize_ms']['mean'], '.3f')}; {_fmt(hop['bundle_bytes_p50'], '.0f')} B/bundle")
+    transfers = report["seam_transfers_per_token"][k]
+    lines.append(f"seam transfers per decode token: {_fmt(transfers)} for {len(hops)} hops")
     lines.append(f"tokens identical to the baseline: {'yes' if report['tokens_identical'] else 'NO'}")
     return "\n".join(lines)

@@ -1,6 +1,9 @@
 """Run the benchmark: the baseline in this process, then meshes of 1..k peers on loopback.
 
-Each mesh is real ``meshd run`` processes (:class:`~meshd.daemon.local_mesh.LocalMesh`) with pinned,
+The baseline is measured again after each mesh, and each mesh is compared with the baseline runs
+just before and just after it: on a shared machine the speed drifts over minutes, and a ratio taken
+against a baseline from several minutes earlier mostly measures the drift. Each mesh is real
+``meshd run`` processes (:class:`~meshd.daemon.local_mesh.LocalMesh`) with pinned,
 even layer ranges, asked through the head peer's OpenAI API exactly as a user would. Peers run with
 this process's torch thread count, so the mesh and the baseline compute with the same threads.
 """
@@ -11,19 +14,21 @@ import datetime
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
 from meshd import __version__
-from meshd.bench.baseline import BaselineResult, run_baseline
+from meshd.bench.baseline import Baseline, BaselineResult
 from meshd.bench.report import build_report
+from meshd.bench.wakeup import measure_wakeups
 from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalMeshError
@@ -58,6 +63,7 @@ class MeshResult:
     peers: int
     ranges: list[tuple[int, int]]
     runs: list[StreamTiming]
+    baseline_tok_s: list[float]  # the baseline's runs just before and just after this mesh
     identical: list[bool]
     hop_stats: list[dict]  # each hop's /stats after the single-session runs, in route order
     peer_ids: list[str]
@@ -106,24 +112,32 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     load_start = os.getloadavg()
     if load_start[0] > 0.5:
         say(f"note: 1-minute load average is {load_start[0]:.2f} before starting; other work skews the figures")
+    say("wake-up latency of this machine (threads and processes, hot and after idling)")
+    wakeups = measure_wakeups()
     say(f"baseline: {model_id} in this process, {torch.get_num_threads()} torch threads, "
-        f"{len(prompt.ids)} prompt + {cfg.new_tokens} new tokens, {cfg.runs} runs")
-    baseline = run_baseline(model_dir, prompt.ids, cfg.new_tokens, runs=cfg.runs)
-    expected = tokenizer.decode(baseline.token_ids, skip_special_tokens=True)
-    say(f"baseline: {baseline.decode_tok_s:.2f} tok/s, TTFT {baseline.ttft_ms:.1f} ms")
+        f"{len(prompt.ids)} prompt + {cfg.new_tokens} new tokens, {cfg.runs} runs before and after each mesh")
+    base = Baseline(model_dir, prompt.ids, cfg.new_tokens)
+    measured = [base.measure(cfg.runs)]
+    expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
+    say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
 
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     meshes: list[MeshResult] = []
     try:
         for k in sorted(cfg.peers):
             levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
-            meshes.append(_measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                        baseline, cfg, workdir / f"peers{k}", levels, say))
+            mesh = _measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                 measured[0], cfg, workdir / f"peers{k}", levels, say)
+            measured.append(base.measure(cfg.runs))
+            mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
+            say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
+            meshes.append(mesh)
     except Exception:
         say(f"peer logs kept in {workdir}")
         raise
     if cfg.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
+    baseline = _pooled(measured)
 
     meta = {
         "model": model_id, "model_dir": str(model_dir), "prompt_tokens": len(prompt.ids),
@@ -135,8 +149,17 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         # other work on the machine skews every figure; the 1-minute load at the start and at the end
         "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "wakeup": wakeups,
     }
     return build_report(meta, baseline, meshes)
+
+
+def _pooled(measured: list[BaselineResult]) -> BaselineResult:
+    """Every baseline measurement of the run as one (medians over all their runs)."""
+    tok_s = [v for m in measured for v in m.runs_tok_s]
+    ttft = [v for m in measured for v in m.runs_ttft_ms]
+    return replace(measured[0], decode_tok_s=statistics.median(tok_s), ttft_ms=statistics.median(ttft),
+                   runs_tok_s=tok_s, runs_ttft_ms=ttft)
 
 
 def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
@@ -173,7 +196,7 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
         identical = [matches(r) for r in runs]
         hop_stats = [hop.get("/stats") for hop in hops]
         rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in peers]
-        result = MeshResult(k, ranges, runs, identical, hop_stats, [h.peer_id for h in hops], rss_mb)
+        result = MeshResult(k, ranges, runs, [], identical, hop_stats, [h.peer_id for h in hops], rss_mb)
 
         for c in levels:
             with ThreadPoolExecutor(max_workers=c) as pool:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 128)")
     run.add_argument("--torch-threads", type=int, metavar="N",
                      help="threads for model compute (default 0: every CPU this process may use)")
+    run.add_argument("--compression", choices=["auto", "off", "always"],
+                     help="zstd for large prefill bundles: auto: per link, where measured to save time "
+                     "(default); off: never; always: every bundle of 64 KiB or more")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -91,6 +94,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
         "log_level": args.log_level, "ready_file": args.ready_file, "torch_threads": args.torch_threads,
+        "compression": args.compression,
     }
     try:
         config = load_config(args.config, overrides)

@@ -43,6 +43,7 @@ class PeerConfig:
     kv_budget: int = 1024**3                # bytes of KV state across sessions
     chunk_tokens: int = 128                 # prefill chunk size
     torch_threads: int = 0                  # compute threads (torch intra-op); 0: every CPU we may use
+    compression: str = "auto"               # large prefill bundles: "auto" (where measured to pay), "off", "always"
     tracker_eligible: bool = True
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 0.4
@@ -73,6 +74,7 @@ _CONVERTERS: dict[str, Any] = {
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
     "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": lambda v: list(v) if v else [],
     "relays": lambda v: list(v) if v else [], "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
+    "compression": lambda v: _choice(v, ("auto", "off", "always")),
 }
 
 

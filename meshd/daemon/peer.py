@@ -73,7 +73,8 @@ class Peer:
         self.hops = HopService(self.peer_id, self.transport, self.host,
                                self.model.model_id if self.model else None,
                                self.model.compat_key if self.model else None,
-                               AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue))
+                               AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue),
+                               compression=config.compression)
         self.gossip = GossipNode.with_key(
             self.signing_key, self._card_template(),
             GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,

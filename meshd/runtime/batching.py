@@ -23,8 +23,10 @@ import trio
 from meshd.runtime.shard import StepResult
 from meshd.wire.bundle import HiddenStateBundle, Phase
 
-RunBatch = Callable[[Sequence[HiddenStateBundle]], Awaitable[list[StepResult | Exception]]]
-RunOne = Callable[[HiddenStateBundle], Awaitable[StepResult]]
+# Each returns its outcomes and how long the compute itself took, in seconds (measured on the thread
+# that ran it), so that the batcher can tell a step's waiting from its computing.
+RunBatch = Callable[[Sequence[HiddenStateBundle]], Awaitable[tuple[list[StepResult | Exception], float]]]
+RunOne = Callable[[HiddenStateBundle], Awaitable[tuple[StepResult, float]]]
 
 
 @dataclass
@@ -51,6 +53,7 @@ class BatchStats:
 @dataclass
 class _Step:
     bundle: HiddenStateBundle
+    submitted: float = field(default_factory=trio.current_time)
     done: trio.Event = field(default_factory=trio.Event)
     taken: bool = False
     result: StepResult | None = None
@@ -65,10 +68,13 @@ class _Step:
         b = self.bundle
         return b.phase == Phase.DECODE and b.token_count == 1 and b.start_position > 0
 
-    def finish(self, outcome: StepResult | BaseException) -> None:
+    def finish(self, outcome: StepResult | BaseException, compute_s: float = 0.0) -> None:
         if isinstance(outcome, BaseException):
             self.error = outcome
         else:
+            waited = trio.current_time() - self.submitted - compute_s
+            outcome.compute_ms = compute_s * 1000
+            outcome.queue_ms = max(0.0, waited * 1000)
             self.result = outcome
         self.done.set()
 
@@ -142,18 +148,21 @@ class StepBatcher:
     async def _run(self, steps: list[_Step]) -> None:
         """Compute ``steps`` and hand each its outcome; the compute is not interrupted by cancellation
         (the shard's state must stay consistent), so every waiting step gets its answer."""
+        compute_s = 0.0
         try:
             with trio.CancelScope(shield=True):
                 if len(steps) == 1:
                     try:
-                        outcomes: list[StepResult | BaseException] = [await self._run_one(steps[0].bundle)]
+                        result, compute_s = await self._run_one(steps[0].bundle)
+                        outcomes: list[StepResult | BaseException] = [result]
                     except Exception as exc:
                         outcomes = [exc]
                 else:
-                    outcomes = list(await self._run_batch([s.bundle for s in steps]))
+                    results, compute_s = await self._run_batch([s.bundle for s in steps])
+                    outcomes = list(results)
         except BaseException as exc:
             for step in steps:
                 step.finish(exc)
             raise
         for step, outcome in zip(steps, outcomes, strict=True):
-            step.finish(outcome)
+            step.finish(outcome, compute_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,13 @@ from meshd.wire.bundle import HiddenStateBundle
 log = logging.getLogger("meshd.runtime")
 
 T = TypeVar("T")
+
+
+def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took, measured on the thread that ran it."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
 
 
 class ComputeThread:
@@ -106,11 +114,11 @@ class ShardHost:
         """Run ``fn(*args)`` on the compute thread (for anything else that touches the shard's tensors)."""
         return await self.compute.run(fn, *args)
 
-    async def _run_one(self, bundle: HiddenStateBundle) -> StepResult:
-        return await self.compute.run(self._require().forward, bundle)
+    async def _run_one(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
+        return await self.compute.run(_timed, self._require().forward, bundle)
 
-    async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> list[StepResult | Exception]:
-        return await self.compute.run(self._require().forward_batch, bundles)
+    async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
+        return await self.compute.run(_timed, self._require().forward_batch, bundles)
 
     def release(self, session_id: str, epoch: int) -> bool:
         return self.shard is not None and self.shard.release(session_id, epoch)

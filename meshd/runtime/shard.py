@@ -48,11 +48,18 @@ class ShardSpec:
 
 @dataclass
 class StepResult:
-    """What one shard produced for one bundle: hidden states for the next hop, or a token."""
+    """What one shard produced for one bundle: hidden states for the next hop, or a token.
+
+    ``queue_ms`` and ``compute_ms`` are filled in by the host that ran the step: the time the step
+    waited for the compute thread (other steps, handing over to the thread and back) and the time its
+    forward took there (shared with the other steps of its batch).
+    """
 
     hidden_states: torch.Tensor | None = None
     token: int | None = None
     logits: torch.Tensor | None = None
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 class Shard:

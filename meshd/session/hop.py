@@ -22,6 +22,7 @@ from meshd.errors import BundleError, MeshError, RangeMismatch
 from meshd.runtime.host import ShardHost
 from meshd.runtime.shard import HIDDEN_STATES
 from meshd.session import messages as m
+from meshd.session.link_compression import CompressionPolicy
 from meshd.wire import bundle as wire
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -65,26 +66,42 @@ class HopStats:
     ``seam_ms`` holds, per decode bundle received from the previous hop, the time from the sender
     starting to encode it to this hop having decoded it (wall clocks: exact on one host, only as good
     as clock sync across hosts); ``entry_seam_ms`` the same for bundles straight from the entry.
+    A decode step's time on this hop is split further into ``deserialize_ms`` (parsing the bundle that
+    arrived), ``queue_ms`` (waiting for the compute thread), ``compute_ms`` (the forward itself) and
+    ``serialize_ms`` (encoding the bundle for the next hop); what a seam costs beyond the sender's
+    serializing and the receiver's deserializing is the network and the event loops in between.
     """
 
     sessions_served: int = 0
     seam_errors: int = 0
     resumed_sessions: int = 0
+    compressed_bundles: int = 0
+    compression_saved_bytes: int = 0
     seam_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     entry_seam_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     seam_bytes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     compute_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    queue_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    deserialize_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    serialize_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+
+    def _windows(self) -> tuple[deque, ...]:
+        return (self.seam_ms, self.entry_seam_ms, self.seam_bytes, self.compute_ms, self.queue_ms,
+                self.deserialize_ms, self.serialize_ms)
 
     def reset(self) -> None:
-        for window in (self.seam_ms, self.entry_seam_ms, self.seam_bytes, self.compute_ms):
+        for window in self._windows():
             window.clear()
 
     def summary(self) -> dict:
         return {
             "sessions_served": self.sessions_served, "seam_errors": self.seam_errors,
-            "resumed_sessions": self.resumed_sessions,
+            "resumed_sessions": self.resumed_sessions, "compressed_bundles": self.compressed_bundles,
+            "compression_saved_bytes": self.compression_saved_bytes,
             "seam_ms": percentiles(self.seam_ms), "entry_seam_ms": percentiles(self.entry_seam_ms),
             "decode_bundle_bytes": percentiles(self.seam_bytes), "compute_ms": percentiles(self.compute_ms),
+            "queue_ms": percentiles(self.queue_ms), "deserialize_ms": percentiles(self.deserialize_ms),
+            "serialize_ms": percentiles(self.serialize_ms),
         }
 
 
@@ -105,6 +122,7 @@ class HopService:
         model_id: str | None,
         compat_key: str | None,
         limits: AdmissionLimits | None = None,
+        compression: str = "auto",
     ) -> None:
         self.peer_id = peer_id
         self.transport = transport
@@ -114,6 +132,8 @@ class HopService:
         self.limits = limits or AdmissionLimits()
         self.leaving = False
         self.stats = HopStats()
+        self.compression = compression
+        self._links: dict[str, CompressionPolicy] = {}  # per next hop's peer id
         self._reserved: dict[tuple[str, int], int] = {}
         self._inflight = 0
         # What this hop sent downstream per session (for resuming after a repair), and sessions whose
@@ -258,6 +278,7 @@ class HopService:
             raw = await stream.receive_message()
             if raw is None:
                 return
+            parse_started = time.perf_counter()
             msg = m.parse(raw)
             kind = msg.WhichOneof("kind")
             if kind == "close":
@@ -267,7 +288,10 @@ class HopService:
             bundle = wire.decode(msg.bundle)
             if (bundle.session_id, bundle.epoch) != key:
                 raise BundleError("bundle belongs to another session than its stream")
-            if bundle.phase == Phase.DECODE and bundle.sent_at_ns:
+            decoding = bundle.phase == Phase.DECODE
+            if decoding:
+                self.stats.deserialize_ms.append((time.perf_counter() - parse_started) * 1000)
+            if decoding and bundle.sent_at_ns:
                 crossed = (time.time_ns() - bundle.sent_at_ns) / 1e6
                 (self.stats.seam_ms if open_.hop_index > 0 else self.stats.entry_seam_ms).append(crossed)
                 self.stats.seam_bytes.append(len(raw))
@@ -280,14 +304,14 @@ class HopService:
                 if cut == bundle.start_position + bundle.token_count:
                     continue
                 bundle = _part(bundle, cut, bundle.start_position + bundle.token_count)
-            started = time.perf_counter()
             self._inflight += 1
             try:
                 result = await self.host.forward(bundle)
             finally:
                 self._inflight -= 1
-            if bundle.phase == Phase.DECODE:
-                self.stats.compute_ms.append((time.perf_counter() - started) * 1000)
+            if decoding:
+                self.stats.compute_ms.append(result.compute_ms)
+                self.stats.queue_ms.append(result.queue_ms)
             if not is_tail:
                 if outputs is None:
                     outputs = self._outputs.setdefault(key, _OutputCache())
@@ -302,10 +326,31 @@ class HopService:
     async def _send_downstream(self, downstream, nxt: pb.HopAddress, bundle: HiddenStateBundle) -> None:
         bundle.range_start, bundle.range_end = nxt.range_start, nxt.range_end
         bundle.sent_at_ns = time.time_ns()
+        link = self.link_policy(nxt.peer_id)
+        raw_bytes = wire.raw_tensor_bytes(bundle)
+        compress = link.should_compress(raw_bytes)
+        started = time.perf_counter()
+        data = m.bundle_msg(wire.encode(bundle, compress=compress))
+        encoded = time.perf_counter()
+        if bundle.phase == Phase.DECODE:
+            self.stats.serialize_ms.append((encoded - started) * 1000)
+        if compress:
+            link.record_compression(raw_bytes, len(data), encoded - started)
+            self.stats.compressed_bundles += 1
+            self.stats.compression_saved_bytes += max(0, raw_bytes - len(data))
         try:
-            await downstream.send_message(m.bundle_msg(wire.encode(bundle)))
+            await downstream.send_message(data)
         except Exception as exc:
             raise NextHopFailed(nxt.peer_id, f"the next hop went away: {exc}") from exc
+        link.record_send(len(data), time.perf_counter() - encoded)
+
+    def link_policy(self, peer_id: str) -> CompressionPolicy:
+        """The compression policy of the link to ``peer_id`` (what was measured on it so far)."""
+        link = self._links.get(peer_id)
+        if link is None:
+            link = self._links[peer_id] = CompressionPolicy(self.compression,
+                                                            window_bytes=self.transport.config.stream_window)
+        return link
 
     # -- resuming after a repair ------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Hidden-state bundle: typed view over the protobuf message, with strict validation.
 
-Encoding writes tensors as raw little-endian bytes. Decoding checks every tensor's dtype, shape and
-byte length, and the bundle's own counters, before any byte becomes a tensor; anything inconsistent
-raises :class:`~meshd.errors.BundleError`.
+Encoding writes tensors as raw little-endian bytes, or, when the sender asks for it, large tensors as
+zstd over byte planes (:mod:`meshd.wire.byte_planes`) where that is smaller. Decoding checks every
+tensor's dtype, shape and byte length, and the bundle's own counters, before any byte becomes a
+tensor; anything inconsistent raises :class:`~meshd.errors.BundleError`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ import torch
 from google.protobuf.message import DecodeError
 
 from meshd.errors import BundleError
+from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES
+from meshd.wire import byte_planes
 from meshd.wire import hidden_state_pb2 as pb
 
 SCHEMA_VERSION = 1
 MAX_TENSORS = 16
 MAX_RANK = 4
+COMPRESS_MIN_BYTES = 64 * 1024  # smaller tensors (every decode step) always travel raw
+MAX_TENSOR_BYTES = DEFAULT_MAX_MESSAGE_BYTES  # a compressed tensor may not decode to more than a raw one may be
 
 
 class Phase(IntEnum):
@@ -70,7 +75,9 @@ class HiddenStateBundle:
     version: int = field(default=SCHEMA_VERSION)
 
 
-def encode(bundle: HiddenStateBundle) -> bytes:
+def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
+    """The bundle's wire bytes. With ``compress``, each tensor of at least ``COMPRESS_MIN_BYTES`` is
+    sent as zstd over byte planes when that is smaller than its raw bytes."""
     msg = pb.HiddenStateBundle(
         version=bundle.version,
         session_id=bundle.session_id,
@@ -93,10 +100,18 @@ def encode(bundle: HiddenStateBundle) -> bytes:
         code = _WIRE_DTYPE.get(tensor.dtype)
         if code is None:
             raise BundleError(f"tensor {name!r}: dtype {tensor.dtype} has no wire encoding")
-        msg.tensors.append(
-            pb.Tensor(name=name, dtype=code, shape=list(tensor.shape), data=_tensor_bytes(tensor))
-        )
+        data, encoding = _tensor_bytes(tensor), pb.RAW
+        if compress and len(data) >= COMPRESS_MIN_BYTES:
+            packed = byte_planes.compress(data, _DTYPES[code][1])
+            if len(packed) < len(data):
+                data, encoding = packed, pb.ZSTD_BYTE_PLANES
+        msg.tensors.append(pb.Tensor(name=name, dtype=code, shape=list(tensor.shape), data=data, encoding=encoding))
     return msg.SerializeToString()
+
+
+def raw_tensor_bytes(bundle: HiddenStateBundle) -> int:
+    """What the bundle's tensors take uncompressed."""
+    return sum(t.numel() * t.element_size() for t in bundle.tensors.values())
 
 
 def decode(data: bytes) -> HiddenStateBundle:
@@ -165,14 +180,22 @@ def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
         raise BundleError(f"tensor {t.name!r}: rank {len(t.shape)} is outside 1..{MAX_RANK}")
     shape = tuple(int(d) for d in t.shape)
     expected = math.prod(shape) * itemsize
-    if expected != len(t.data):
+    data = t.data
+    if t.encoding == pb.ZSTD_BYTE_PLANES:
+        try:
+            data = byte_planes.decompress(data, itemsize, expected, MAX_TENSOR_BYTES)
+        except BundleError as exc:
+            raise BundleError(f"tensor {t.name!r}: {exc}") from None
+    elif t.encoding != pb.RAW:
+        raise BundleError(f"tensor {t.name!r}: unknown encoding {t.encoding}")
+    if expected != len(data):
         raise BundleError(
-            f"tensor {t.name!r}: shape {list(shape)} x {itemsize} bytes needs {expected} bytes, got {len(t.data)}"
+            f"tensor {t.name!r}: shape {list(shape)} x {itemsize} bytes needs {expected} bytes, got {len(data)}"
         )
     if expected == 0:
         raise BundleError(f"tensor {t.name!r} is empty")
     np_dtype = {torch.bfloat16: np.int16}.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype
-    array = np.frombuffer(t.data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
+    array = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
     tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
     if dtype == torch.bfloat16:
         tensor = tensor.view(torch.bfloat16)

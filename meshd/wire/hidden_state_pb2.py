@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12hidden_state.proto\x12\nmeshd.wire\"U\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.meshd.wire.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xbd\x02\n\x11HiddenStateBundle\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12 \n\x05phase\x18\x05 \x01(\x0e\x32\x11.meshd.wire.Phase\x12\x16\n\x0estart_position\x18\x06 \x01(\x04\x12\x13\n\x0btoken_count\x18\x07 \x01(\r\x12#\n\x07tensors\x18\x08 \x03(\x0b\x32\x12.meshd.wire.Tensor\x12\x13\n\x0brange_start\x18\t \x01(\r\x12\x11\n\trange_end\x18\n \x01(\r\x12\x0e\n\x06sample\x18\x0b \x01(\x08\x12&\n\x08sampling\x18\x0c \x01(\x0b\x32\x14.meshd.wire.Sampling\x12\x12\n\nsent_at_ns\x18\r \x01(\x04*7\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12hidden_state.proto\x12\nmeshd.wire\"\x83\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.meshd.wire.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12,\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x1a.meshd.wire.TensorEncoding\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xbd\x02\n\x11HiddenStateBundle\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12 \n\x05phase\x18\x05 \x01(\x0e\x32\x11.meshd.wire.Phase\x12\x16\n\x0estart_position\x18\x06 \x01(\x04\x12\x13\n\x0btoken_count\x18\x07 \x01(\r\x12#\n\x07tensors\x18\x08 \x03(\x0b\x32\x12.meshd.wire.Tensor\x12\x13\n\x0brange_start\x18\t \x01(\r\x12\x11\n\trange_end\x18\n \x01(\r\x12\x0e\n\x06sample\x18\x0b \x01(\x08\x12&\n\x08sampling\x18\x0c \x01(\x0b\x32\x14.meshd.wire.Sampling\x12\x12\n\nsent_at_ns\x18\r \x01(\x04*7\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05*/\n\x0eTensorEncoding\x12\x07\n\x03RAW\x10\x00\x12\x14\n\x10ZSTD_BYTE_PLANES\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hidden_state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=518
-  _globals['_PHASE']._serialized_end=573
-  _globals['_DTYPE']._serialized_start=575
-  _globals['_DTYPE']._serialized_end=667
-  _globals['_TENSOR']._serialized_start=34
-  _globals['_TENSOR']._serialized_end=119
-  _globals['_SAMPLING']._serialized_start=121
-  _globals['_SAMPLING']._serialized_end=196
-  _globals['_HIDDENSTATEBUNDLE']._serialized_start=199
-  _globals['_HIDDENSTATEBUNDLE']._serialized_end=516
+  _globals['_PHASE']._serialized_start=565
+  _globals['_PHASE']._serialized_end=620
+  _globals['_DTYPE']._serialized_start=622
+  _globals['_DTYPE']._serialized_end=714
+  _globals['_TENSORENCODING']._serialized_start=716
+  _globals['_TENSORENCODING']._serialized_end=763
+  _globals['_TENSOR']._serialized_start=35
+  _globals['_TENSOR']._serialized_end=166
+  _globals['_SAMPLING']._serialized_start=168
+  _globals['_SAMPLING']._serialized_end=243
+  _globals['_HIDDENSTATEBUNDLE']._serialized_start=246
+  _globals['_HIDDENSTATEBUNDLE']._serialized_end=563
 # @@protoc_insertion_point(module_scope)

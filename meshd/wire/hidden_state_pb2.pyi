@@ -21,6 +21,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     INT64: _ClassVar[DType]
     INT32: _ClassVar[DType]
+
+class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RAW: _ClassVar[TensorEncoding]
+    ZSTD_BYTE_PLANES: _ClassVar[TensorEncoding]
 PHASE_UNSPECIFIED: Phase
 PREFILL: Phase
 DECODE: Phase
@@ -30,18 +35,22 @@ FLOAT16: DType
 BFLOAT16: DType
 INT64: DType
 INT32: DType
+RAW: TensorEncoding
+ZSTD_BYTE_PLANES: TensorEncoding
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "encoding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    encoding: TensorEncoding
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

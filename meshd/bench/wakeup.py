@@ -1,0 +1,109 @@
+"""How long this machine takes to wake a thread or a process that has been idle: the floor under a seam.
+
+A decode step crosses every hop of a route, and on each hop it wakes something that was waiting:
+the peer's event loop (the bundle arrived), its compute thread (the step is handed over), and the
+event loop again (the result is back). On an idle CPU, or on a virtual machine whose idle vCPUs the
+host deschedules, such a wake-up costs far more than the same hand-off between busy threads. The
+benchmark measures both, with nothing else running, so that a report shows how much of a seam is
+the machine's and how much is ours:
+
+- ``thread_handoff_us``: a round trip to a long-lived worker thread and back, as a peer hands a
+  step to its compute thread, back to back (``hot``) and after ``idle_ms`` of idleness (``idle``);
+- ``process_round_trip_us``: a one-byte message to another process over a socket and its answer,
+  as one hop hands a bundle to the next, the same two ways.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+from multiprocessing import get_context
+
+SAMPLES = 200
+IDLE_MS = 20.0
+
+
+def _quantiles(samples_s: list[float]) -> dict:
+    ordered = sorted(samples_s)
+    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6, 1)  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "mean": round(statistics.fmean(ordered) * 1e6, 1)}
+
+
+def _round_trips(once, samples: int, idle_s: float) -> list[float]:
+    times = []
+    for _ in range(samples):
+        if idle_s:
+            time.sleep(idle_s)
+        started = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def thread_handoff(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
+    request, reply = threading.Semaphore(0), threading.Semaphore(0)
+    stop = False
+
+    def worker() -> None:
+        while True:
+            request.acquire()
+            if stop:
+                return
+            reply.release()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+
+    def once() -> None:
+        request.release()
+        reply.acquire()
+
+    try:
+        _round_trips(once, 20, 0.0)
+        return {"hot": _quantiles(_round_trips(once, samples, 0.0)),
+                "idle": _quantiles(_round_trips(once, samples, idle_ms / 1000))}
+    finally:
+        stop = True
+        request.release()
+        thread.join(timeout=5)
+
+
+def _echo(sock: socket.socket) -> None:
+    while data := sock.recv(1):
+        sock.sendall(data)
+
+
+def process_round_trip(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
+    ours, theirs = socket.socketpair()
+    child = get_context("spawn").Process(target=_echo, args=(theirs,), daemon=True)
+    child.start()
+    theirs.close()
+
+    def once() -> None:
+        ours.sendall(b"x")
+        ours.recv(1)
+
+    try:
+        _round_trips(once, 20, 0.0)
+        return {"hot": _quantiles(_round_trips(once, samples, 0.0)),
+                "idle": _quantiles(_round_trips(once, samples, idle_ms / 1000))}
+    finally:
+        ours.close()
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def measure_wakeups(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
+    return {"idle_ms": idle_ms, "samples": samples,
+            "thread_handoff_us": thread_handoff(samples, idle_ms),
+            "process_round_trip_us": process_round_trip(samples, idle_ms)}
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(measure_wakeups(), indent=2))
