@@ -207,3 +207,29 @@ def test_own_card_echoes_do_not_make_a_node_reissue():
     net.run_until(at + 10.0)
     # cards live 10 minutes by default: ten quiet seconds of gossip must not re-sign any of them
     assert {p: n.issuer.sequence for p, n in net.nodes.items()} == sequences
+
+
+def test_a_lease_seen_before_is_not_checked_again_but_a_forged_copy_is(monkeypatch):
+    import meshd.gossip.node as node_module
+    from meshd.election import sign_lease, verify_lease
+
+    checks = []
+
+    def counting(signed):
+        checks.append(signed)
+        return verify_lease(signed)
+
+    monkeypatch.setattr(node_module, "verify_lease", counting)
+    net = Network(2)
+    a = net.nodes[net.ids[0]]
+    genuine = sign_lease(SigningKey(bytes([9]) * 32), 3, 0, 60_000)
+    for _ in range(5):
+        a.on_message(net.ids[1], pb.GossipMessage(leases=[genuine]), 1.0)
+    assert len(checks) == 1 and [s.signature for s in a.leases()] == [genuine.signature]
+    # the same signature over other terms is checked again, and refused
+    body = pb.TrackerLease.FromString(genuine.lease)
+    body.term = 7
+    forged = pb.SignedLease(lease=body.SerializeToString(), signature=genuine.signature)
+    a.on_message(net.ids[1], pb.GossipMessage(leases=[forged]), 1.0)
+    assert len(checks) == 2
+    assert [pb.TrackerLease.FromString(s.lease).term for s in a.leases()] == [3]

@@ -8,6 +8,7 @@ transport requests. Everything a peer knows about others comes from verified cap
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import logging
@@ -43,7 +44,7 @@ from meshd.wire import card_pb2 as cpb
 
 log = logging.getLogger("meshd.peer")
 
-TICK_S = 0.1
+TICK_S = 0.25
 GOSSIP_PATH = "/meshd/gossip"
 ROUTE_PATH = "/meshd/route"
 PLACE_PATH = "/meshd/place"
@@ -110,6 +111,11 @@ class Peer:
 
     # -- card --------------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def _hardware(self) -> cpb.Hardware:
+        """What the card says of the machine; read once, as it does not change while we run."""
+        return cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu", cpu_count=os.cpu_count() or 1)
+
     def _card_template(self) -> cpb.CapabilityCard:
         cfg = self.config
         card = cpb.CapabilityCard(
@@ -117,8 +123,7 @@ class Peer:
             addresses=self.reachability.direct_addresses(),
             relay_addresses=self.reachability.relay_addresses(),
             api_address=cfg.api,
-            hardware=cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu",
-                                  cpu_count=os.cpu_count() or 1),
+            hardware=self._hardware,
             tracker_eligible=cfg.tracker_eligible and bool(self.reachability.direct_addresses()),
             software_version=__version__,
             memory_budget_bytes=cfg.memory_budget,

@@ -102,6 +102,7 @@ class _Broadcast:
 
 
 _GONE = (MemberState.DEAD, MemberState.LEFT)
+VERIFIED_LEASES_KEPT = 64
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
 
 
@@ -132,6 +133,9 @@ class GossipNode:
         self._next_seed_at = 0.0
         self._queue: dict[str, _Broadcast] = {}
         self._leases: dict[str, Lease] = {}
+        # Every message carries the tracker's lease: the same signed bytes arrive many times a second,
+        # and checking an Ed25519 signature is most of what merging one costs. Remember what checked out.
+        self._verified_leases: dict[bytes, Lease] = {}
 
     @classmethod
     def with_key(cls, signing_key: SigningKey, template: pb.CapabilityCard | None = None,
@@ -396,10 +400,15 @@ class GossipNode:
             self._set_state(digest.peer_id, state, digest.sequence, now, actions)
 
     def _merge_lease(self, signed: pb.SignedLease, now: float, actions: list[Action], report: bool = True) -> None:
-        try:
-            lease = verify_lease(signed)
-        except LeaseRejected:
-            return
+        lease = self._verified_leases.get(signed.signature)
+        if lease is None or lease.signed.lease != signed.lease:
+            try:
+                lease = verify_lease(signed)
+            except LeaseRejected:
+                return
+            if len(self._verified_leases) >= VERIFIED_LEASES_KEPT:
+                self._verified_leases.clear()
+            self._verified_leases[signed.signature] = lease
         if not lease.valid_at(_ms(now)):
             return
         held = self._leases.get(lease.peer_id)

@@ -107,15 +107,20 @@ async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: tri
 
 
 async def _generate(plan: SessionPlan, session_id: str, route: Route, head_stream, events, out) -> None:
+    """Feed the route and pass its tokens on. Each new token goes back into the route before it goes to
+    ``out``, so the API's work on a token (detokenizing, streaming it) overlaps the next step's compute
+    instead of delaying it."""
     head_range = (route.hops[0].start, route.hops[0].end)
-    pending = list(plan.prompt)
-    position = 0
-    for step in range(plan.max_new_tokens):
-        for bundle in input_bundles(session_id, route.epoch, pending, position, plan.chunk_tokens, head_range,
+
+    async def feed(tokens: list[int], position: int, step: int) -> None:
+        for bundle in input_bundles(session_id, route.epoch, tokens, position, plan.chunk_tokens, head_range,
                                     plan.sampling, step=step):
             bundle.sent_at_ns = time.time_ns()
             await head_stream.send_message(m.bundle_msg(wire.encode(bundle)))
-        position += len(pending)
+
+    position = len(plan.prompt)
+    await feed(list(plan.prompt), 0, 0)
+    for step in range(plan.max_new_tokens):
         with trio.fail_after(plan.step_timeout_s):
             msg = await events.receive()
         if isinstance(msg, Exception):
@@ -124,10 +129,17 @@ async def _generate(plan: SessionPlan, session_id: str, route: Route, head_strea
         if msg.WhichOneof("kind") != "token" or msg.token.position != position:
             raise SessionFailed("protocol", f"expected the token for position {position}, got {msg}")
         token = int(msg.token.token)
+        finished = plan.eos_token_id is not None and token == plan.eos_token_id
+        if not finished and step + 1 < plan.max_new_tokens:
+            try:
+                await feed([token], position, step + 1)
+            except Exception:
+                await out.send(token)  # the token itself is good: only the route failed after it
+                raise
+            position += 1
         await out.send(token)
-        if plan.eos_token_id is not None and token == plan.eos_token_id:
+        if finished:
             return
-        pending = [token]
 
 
 async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str], sink: trio.MemorySendChannel) -> None:

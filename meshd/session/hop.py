@@ -313,12 +313,12 @@ class HopService:
                 self.stats.compute_ms.append(result.compute_ms)
                 self.stats.queue_ms.append(result.queue_ms)
             if not is_tail:
-                if outputs is None:
-                    outputs = self._outputs.setdefault(key, _OutputCache())
-                outputs.append(bundle.start_position, result.hidden_states)
                 out = _part(bundle, bundle.start_position, bundle.start_position + bundle.token_count,
                             result.hidden_states)
                 await self._send_downstream(downstream, nxt, out)
+                if outputs is None:  # kept after sending: the next hop need not wait for the copy
+                    outputs = self._outputs.setdefault(key, _OutputCache())
+                outputs.append(bundle.start_position, result.hidden_states)
             elif result.token is not None:
                 sink = await self._sink_for(key)
                 await sink.send_message(m.token_msg(bundle.start_position + bundle.token_count, result.token))
