@@ -291,3 +291,49 @@ async def test_a_cancelled_waiting_step_leaves_the_queue(autojump_clock):
             await batcher.submit(_bundle("gone", Phase.DECODE, 7))
         assert batcher.waiting == 0
     assert rec.calls == [["a"]]
+
+
+async def _submit_at(batcher, name, times, results):
+    for position, at in enumerate(times, start=1):
+        await trio.sleep_until(at)
+        result = await batcher.submit(_bundle(name, Phase.DECODE, position))
+        results.append((name, position, round(trio.current_time(), 3), round(result.queue_ms)))
+
+
+async def test_a_batch_is_held_for_a_session_due_within_one_step(autojump_clock):
+    rec = _Recorder(delay=1.0)
+    batcher = StepBatcher(rec.batch, rec.one)
+    results = []
+    async with trio.open_nursery() as nursery:
+        # both come back every 10 s; at the third round b is due 0.5 s after a, within one step (1 s)
+        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0, 20.0], results)
+        nursery.start_soon(_submit_at, batcher, "b", [0.5, 10.5, 20.5], results)
+    assert rec.calls[-1] == ["a", "b"]  # one forward for both, not a alone and then b
+    assert batcher.stats.held_batches == 1 and batcher.stats.held_s == pytest.approx(0.5)
+    assert ("a", 3, 21.5, 500) in results and ("b", 3, 21.5, 0) in results
+
+
+async def test_no_holding_for_sessions_due_later_or_for_a_lone_session(autojump_clock):
+    rec = _Recorder(delay=1.0)
+    batcher = StepBatcher(rec.batch, rec.one)
+    results = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0, 20.0], results)
+        nursery.start_soon(_submit_at, batcher, "c", [5.0, 15.0, 25.0], results)  # due 5 s after a
+    assert all(len(call) == 1 for call in rec.calls) and batcher.stats.held_batches == 0
+    lone = StepBatcher(rec.batch, rec.one)
+    results.clear()
+    await _submit_at(lone, "z", [30.0, 40.0, 50.0], results)
+    assert lone.stats.held_batches == 0 and [r[3] for r in results] == [0, 0, 0]
+
+
+async def test_a_finished_session_is_not_waited_for(autojump_clock):
+    rec = _Recorder(delay=1.0)
+    batcher = StepBatcher(rec.batch, rec.one)
+    results = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0], results)
+        nursery.start_soon(_submit_at, batcher, "b", [0.5, 10.5], results)
+    batcher.forget("b", 0)  # b would be due at 20.5, within a step of a's next one
+    await _submit_at(batcher, "a", [20.0], results)
+    assert batcher.stats.held_batches == 0 and results[-1] == ("a", 1, 21.0, 0)

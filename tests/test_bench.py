@@ -45,6 +45,7 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert set(report["ttft_ms"]) == {"baseline", "1", "2"} and all(v > 0 for v in report["ttft_ms"].values())
     assert set(report["aggregate_tok_s"]) == {"1", "2"} and all(v > 0 for v in report["aggregate_tok_s"].values())
     assert report["batching_gain_concurrency"] == 2
+    assert len(report["batches"]) == 2 and all(b["decode_steps"] > 0 for b in report["batches"])
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):
@@ -63,6 +64,8 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert all(h["network_ms"] is not None and h["network_ms"] >= 0 for h in hops)
     # one traversal of the route per decode token: the entry's bundle into the head, one hidden seam
     assert report["seam_transfers_per_token"] == {"1": 1.0, "2": 2.0}
+    ttft = report["ttft_split"]["2"]
+    assert ttft["prefill_compute_ms"] > 0 and ttft["prefill_seams_ms"] > 0 and ttft["other_ms"] is not None
     split = report["profile"]["2"]["split"]
     assert set(split) == {"deserialize_ms", "queue_ms", "compute_ms", "serialize_ms", "network_ms", "other_ms"}
     assert "tokens identical to the baseline: yes" in run.stdout

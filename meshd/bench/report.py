@@ -43,6 +43,8 @@ def _hop_profile(index: int, start_end: tuple[int, int], peer_id: str, stats: di
         "seam_in": "entry" if index == 0 else "hidden",
         "seam_in_ms": _window(stats, "entry_seam_ms" if index == 0 else "seam_ms"),
         "bundle_bytes_p50": stats["decode_bundle_bytes"].get("p50"),
+        # prefill chunks of the single-session runs: per chunk, and in all per run
+        "prefill": {part: _window(stats, f"prefill_{part}") for part in ("seam_ms", "queue_ms", "compute_ms")},
     }
 
 
@@ -70,11 +72,20 @@ def _mesh_figures(mesh) -> dict:
     split["network_ms"] = _r(sum(h["network_ms"] or 0.0 for h in hops))
     accounted = sum(v or 0.0 for v in split.values())
     seams_ms = sum(h["seam_in_ms"]["mean"] or 0.0 for h in hops)
+    ttft_ms = statistics.median(r.ttft_ms for r in mesh.runs)
+    per_run = {part: _r(sum((h["prefill"][part]["mean"] or 0.0) * h["prefill"][part]["count"] for h in hops)
+                        / len(mesh.runs)) for part in ("seam_ms", "queue_ms", "compute_ms")}
     steps = hops[-1]["compute_ms"]["count"]
     transfers = sum(h["seam_in_ms"]["count"] for h in hops)
     return {
         "tok_s": tok_s, "ratio": tok_s / baseline_tok_s, "baseline_tok_s": baseline_tok_s,
-        "ttft_ms": statistics.median(r.ttft_ms for r in mesh.runs),
+        "ttft_ms": ttft_ms,
+        # a first token's prefill, summed over hops and chunks: exact for a prompt of one chunk; with
+        # several, chunks on different hops overlap in time and a chunk's seam includes its wait
+        # behind the previous one, so the parts can add up to more than the TTFT
+        "ttft_split": {"prefill_compute_ms": per_run["compute_ms"], "prefill_queue_ms": per_run["queue_ms"],
+                       "prefill_seams_ms": per_run["seam_ms"],
+                       "other_ms": _r(ttft_ms - sum(v or 0.0 for v in per_run.values()))},
         "seam": {
             "p50": _r(_mean([s["p50"] for s in hidden])), "p95": _r(_mean([s["p95"] for s in hidden])),
             "per_seam_p50": [_r(s["p50"]) for s in hidden], "per_seam_p95": [_r(s["p95"]) for s in hidden],
@@ -109,6 +120,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "ratio": {k: _r(f["ratio"], 4) for k, f in figures.items()},
         "baseline_tok_s_by_peers": {k: _r(f["baseline_tok_s"]) for k, f in figures.items()},
         "ttft_ms": {"baseline": _r(baseline.ttft_ms)} | {k: _r(f["ttft_ms"]) for k, f in figures.items()},
+        "ttft_split": {k: f["ttft_split"] for k, f in figures.items()},
         "seam_ms_p50": top["seam"]["p50"],
         "seam_ms_p95": top["seam"]["p95"],
         "seam_ms": {k: f["seam"] for k, f in figures.items()},
@@ -119,6 +131,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "aggregate_peers": largest.peers,
         "batching_gain": _r(gain, 4),
         "batching_gain_concurrency": gain_at,
+        "batches": largest.batches,
         "peer_rss_mb": {str(m.peers): [_r(v, 1) for v in m.rss_mb] for m in meshes},
         "model_size_mb": _r(baseline.model_bytes / 2**20, 1),
         "baseline_rss_mb": _r(baseline.rss_mb, 1),
@@ -178,6 +191,10 @@ def format_summary(report: dict) -> str:
         gain = report["batching_gain"]
         lines += ["", f"aggregate tok/s with {report['aggregate_peers']} peers: {levels}"
                   + (f"; batching gain (c={report['batching_gain_concurrency']} / c=1) {gain:.2f}x" if gain else "")]
+    for i, batches in enumerate(report.get("batches") or []):
+        sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
+        lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "
+                     f"{batches['held_batches']} held for sessions due, {batches['held_s']:.2f} s in all")
     k = max(report["mesh_tok_s"], key=int)
     hops = report["profile"][k]["hops"]
     lines += ["", f"per hop, {k} peers (decode step means, ms; network = seam in - sender's serialize "
@@ -189,6 +206,10 @@ def format_summary(report: dict) -> str:
                      f"{_fmt(hop['deserialize_ms']['mean'], '.3f')}, queue {_fmt(hop['queue_ms']['mean'], '.3f')}, "
                      f"compute {_fmt(hop['compute_ms']['mean'], '.3f')}, serialize "
                      f"{_fmt(hop['serialize_ms']['mean'], '.3f')}; {_fmt(hop['bundle_bytes_p50'], '.0f')} B/bundle")
+    split = report["ttft_split"][k]
+    lines.append(f"first token, {k} peers: TTFT {_fmt(report['ttft_ms'][k], '.1f')} ms; prefill summed over hops: "
+                 f"compute {_fmt(split['prefill_compute_ms'])}, queue {_fmt(split['prefill_queue_ms'])}, seams "
+                 f"{_fmt(split['prefill_seams_ms'])}; other {_fmt(split['other_ms'])}")
     transfers = report["seam_transfers_per_token"][k]
     lines.append(f"seam transfers per decode token: {_fmt(transfers)} for {len(hops)} hops")
     lines.append(f"tokens identical to the baseline: {'yes' if report['tokens_identical'] else 'NO'}")

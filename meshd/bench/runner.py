@@ -69,6 +69,7 @@ class MeshResult:
     peer_ids: list[str]
     rss_mb: list[float]
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
+    batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
 
 
 def resolve_model(spec: str, say: Say) -> Path:
@@ -198,6 +199,9 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
         rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in peers]
         result = MeshResult(k, ranges, runs, [], identical, hop_stats, [h.peer_id for h in hops], rss_mb)
 
+        if levels:
+            for hop in hops:
+                hop.get("/stats?reset=1")
         for c in levels:
             with ThreadPoolExecutor(max_workers=c) as pool:
                 t0 = time.perf_counter()
@@ -208,6 +212,8 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
             same = sum(matches(r) for r in done)
             say(f"mesh of {k}: concurrency {c}: {result.aggregate_tok_s[c]:.2f} tok/s aggregate "
                 f"over {wall:.1f}s, {same}/{c} identical")
+        if levels:
+            result.batches = [hop.get("/stats")["batches"] for hop in hops]
         say(f"mesh of {k}: stopping")
     return result
 

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
     run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
     run.add_argument("--kv-budget", metavar="SIZE", help="bytes of KV state across sessions (e.g. 1GiB)")
-    run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 128)")
+    run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 512)")
     run.add_argument("--torch-threads", type=int, metavar="N",
                      help="threads for model compute (default 0: every CPU this process may use)")
     run.add_argument("--compression", choices=["auto", "off", "always"],

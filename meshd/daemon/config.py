@@ -41,7 +41,7 @@ class PeerConfig:
     layers: tuple[int, int] | None = None   # pinned range; otherwise the tracker places one
     memory_budget: int = 8 * 1024**3        # bytes of weights this peer may load
     kv_budget: int = 1024**3                # bytes of KV state across sessions
-    chunk_tokens: int = 128                 # prefill chunk size
+    chunk_tokens: int = 512                 # prefill chunk size (tokens per bundle; see docs/benchmarks.md)
     torch_threads: int = 0                  # compute threads (torch intra-op); 0: every CPU we may use
     compression: str = "auto"               # large prefill bundles: "auto" (where measured to pay), "off", "always"
     tracker_eligible: bool = True
@@ -57,6 +57,8 @@ class PeerConfig:
     repair_budget_s: float = 60.0           # time spent repairing one generation before giving up
     max_sessions: int = 64                  # sessions this peer's shard admits at once
     max_queue: int = 32                     # steps waiting for compute before new sessions are refused
+    batch_hold: float = 1.0                 # hold a decode batch for sessions due within this many
+                                            # one-session steps (0: never); see meshd/runtime/batching.py
     drain_timeout_s: float = 30.0           # on SIGTERM: how long running sessions may take to finish
     relays: list[str] = field(default_factory=list)  # meshd-relay servers ("host:port") to register with
     reachability: str = "auto"              # "auto" (dial-back test), "direct" or "relayed"

@@ -67,7 +67,7 @@ class Peer:
         if config.model is not None:
             self.model = describe_model(config.model, config.model_id or None)
             self.host = ShardHost(config.model, max_chunk_tokens=max(512, config.chunk_tokens),
-                                  kv_budget_bytes=config.kv_budget)
+                                  kv_budget_bytes=config.kv_budget, batch_hold=config.batch_hold)
         self.decode_tok_s = 0.0
         self.transport = Transport(self.identity)
         self.reachability = Reachability(config, self.transport, self.identity, on_change=lambda: self.republish_card())

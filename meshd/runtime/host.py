@@ -82,11 +82,11 @@ class ComputeThread:
 class ShardHost:
     def __init__(self, model_dir: Path, *, max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
                  session_ttl_s: float = 600.0, max_batch: int = 16, torch_threads: int | None = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, batch_hold: float = 1.0) -> None:
         self.model_dir = Path(model_dir)
         self.shard: Shard | None = None
         self.compute = ComputeThread(torch_threads)
-        self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch)
+        self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold)
         self._options = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                              session_ttl_s=session_ttl_s, keep_logits=keep_logits)
         self.loaded = trio.Event()
@@ -121,6 +121,7 @@ class ShardHost:
         return await self.compute.run(_timed, self._require().forward_batch, bundles)
 
     def release(self, session_id: str, epoch: int) -> bool:
+        self.batcher.forget(session_id, epoch)
         return self.shard is not None and self.shard.release(session_id, epoch)
 
     @property

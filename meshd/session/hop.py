@@ -84,10 +84,16 @@ class HopStats:
     queue_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     deserialize_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     serialize_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # the same for prefill chunks: their seam crossing (from the previous hop or the entry), queueing
+    # and compute, so that a time to first token can be taken apart too
+    prefill_seam_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    prefill_queue_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    prefill_compute_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
 
     def _windows(self) -> tuple[deque, ...]:
         return (self.seam_ms, self.entry_seam_ms, self.seam_bytes, self.compute_ms, self.queue_ms,
-                self.deserialize_ms, self.serialize_ms)
+                self.deserialize_ms, self.serialize_ms, self.prefill_seam_ms, self.prefill_queue_ms,
+                self.prefill_compute_ms)
 
     def reset(self) -> None:
         for window in self._windows():
@@ -101,7 +107,9 @@ class HopStats:
             "seam_ms": percentiles(self.seam_ms), "entry_seam_ms": percentiles(self.entry_seam_ms),
             "decode_bundle_bytes": percentiles(self.seam_bytes), "compute_ms": percentiles(self.compute_ms),
             "queue_ms": percentiles(self.queue_ms), "deserialize_ms": percentiles(self.deserialize_ms),
-            "serialize_ms": percentiles(self.serialize_ms),
+            "serialize_ms": percentiles(self.serialize_ms), "prefill_seam_ms": percentiles(self.prefill_seam_ms),
+            "prefill_queue_ms": percentiles(self.prefill_queue_ms),
+            "prefill_compute_ms": percentiles(self.prefill_compute_ms),
         }
 
 
@@ -291,10 +299,13 @@ class HopService:
             decoding = bundle.phase == Phase.DECODE
             if decoding:
                 self.stats.deserialize_ms.append((time.perf_counter() - parse_started) * 1000)
-            if decoding and bundle.sent_at_ns:
+            if bundle.sent_at_ns:
                 crossed = (time.time_ns() - bundle.sent_at_ns) / 1e6
-                (self.stats.seam_ms if open_.hop_index > 0 else self.stats.entry_seam_ms).append(crossed)
-                self.stats.seam_bytes.append(len(raw))
+                if not decoding:
+                    self.stats.prefill_seam_ms.append(crossed)
+                else:
+                    (self.stats.seam_ms if open_.hop_index > 0 else self.stats.entry_seam_ms).append(crossed)
+                    self.stats.seam_bytes.append(len(raw))
             if bundle.start_position < resumed:
                 # kept from the previous epoch: pass on what was computed then, compute only the rest
                 cut = min(resumed, bundle.start_position + bundle.token_count)
@@ -312,6 +323,9 @@ class HopService:
             if decoding:
                 self.stats.compute_ms.append(result.compute_ms)
                 self.stats.queue_ms.append(result.queue_ms)
+            else:
+                self.stats.prefill_compute_ms.append(result.compute_ms)
+                self.stats.prefill_queue_ms.append(result.queue_ms)
             if not is_tail:
                 out = _part(bundle, bundle.start_position, bundle.start_position + bundle.token_count,
                             result.hidden_states)
