@@ -300,40 +300,35 @@ async def _submit_at(batcher, name, times, results):
         results.append((name, position, round(trio.current_time(), 3), round(result.queue_ms)))
 
 
-async def test_a_batch_is_held_for_a_session_due_within_one_step(autojump_clock):
+async def _sessions(schedules: dict[str, list[float]]):
+    """Decode steps of each session submitted at the given times (compute: 1 s a call); the recorder,
+    the batcher and each step's (session, position, time done, queue ms)."""
     rec = _Recorder(delay=1.0)
     batcher = StepBatcher(rec.batch, rec.one)
     results = []
     async with trio.open_nursery() as nursery:
-        # both come back every 10 s; at the third round b is due 0.5 s after a, within one step (1 s)
-        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0, 20.0], results)
-        nursery.start_soon(_submit_at, batcher, "b", [0.5, 10.5, 20.5], results)
+        for name, times in schedules.items():
+            nursery.start_soon(_submit_at, batcher, name, times, results)
+    return rec, batcher, results
+
+
+async def test_a_batch_is_held_for_a_session_due_within_one_step(autojump_clock):
+    # both come back every 10 s; at the third round b is due 0.5 s after a, within one step (1 s)
+    rec, batcher, results = await _sessions({"a": [0.0, 10.0, 20.0], "b": [0.5, 10.5, 20.5]})
     assert rec.calls[-1] == ["a", "b"]  # one forward for both, not a alone and then b
     assert batcher.stats.held_batches == 1 and batcher.stats.held_s == pytest.approx(0.5)
     assert ("a", 3, 21.5, 500) in results and ("b", 3, 21.5, 0) in results
 
 
 async def test_no_holding_for_sessions_due_later_or_for_a_lone_session(autojump_clock):
-    rec = _Recorder(delay=1.0)
-    batcher = StepBatcher(rec.batch, rec.one)
-    results = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0, 20.0], results)
-        nursery.start_soon(_submit_at, batcher, "c", [5.0, 15.0, 25.0], results)  # due 5 s after a
+    rec, batcher, _ = await _sessions({"a": [0.0, 10.0, 20.0], "c": [5.0, 15.0, 25.0]})  # c: 5 s after a
     assert all(len(call) == 1 for call in rec.calls) and batcher.stats.held_batches == 0
-    lone = StepBatcher(rec.batch, rec.one)
-    results.clear()
-    await _submit_at(lone, "z", [30.0, 40.0, 50.0], results)
+    _, lone, results = await _sessions({"z": [30.0, 40.0, 50.0]})
     assert lone.stats.held_batches == 0 and [r[3] for r in results] == [0, 0, 0]
 
 
 async def test_a_finished_session_is_not_waited_for(autojump_clock):
-    rec = _Recorder(delay=1.0)
-    batcher = StepBatcher(rec.batch, rec.one)
-    results = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_submit_at, batcher, "a", [0.0, 10.0], results)
-        nursery.start_soon(_submit_at, batcher, "b", [0.5, 10.5], results)
+    _, batcher, results = await _sessions({"a": [0.0, 10.0], "b": [0.5, 10.5]})
     batcher.forget("b", 0)  # b would be due at 20.5, within a step of a's next one
     await _submit_at(batcher, "a", [20.0], results)
     assert batcher.stats.held_batches == 0 and results[-1] == ("a", 1, 21.0, 0)
