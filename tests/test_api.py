@@ -423,3 +423,31 @@ async def test_serve_api_stops_when_cancelled() -> None:
         nursery.cancel_scope.cancel()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", port)
+
+
+class _HeldTailBackend:
+    """Two tokens whose second ends inside a UTF-8 character: its bytes' text comes with ``Finished``."""
+
+    def list_models(self):
+        return []
+
+    async def generate(self, req):
+        yield Started(3)
+        yield TokenEvent("caf", 0)
+        yield TokenEvent("", 1)
+        yield Finished("length", 3, 2, text="é!")
+
+
+@pytest.mark.parametrize(("stop", "shown", "reason"), [(None, "café!", "length"), (["é"], "caf", "stop")])
+async def test_text_held_back_to_the_end_comes_with_finished(stop, shown, reason):
+    from meshd.api.openai_server import run_generation
+
+    out: list[str] = []
+
+    async def on_text(text: str) -> None:
+        out.append(text)
+
+    req = GenerationRequest(model=MODEL, kind="completion", request_id="r", prompt="x", max_tokens=2,
+                            stop=stop or [])
+    outcome = await run_generation(_HeldTailBackend(), req, on_text)
+    assert "".join(out) == shown and outcome.finish_reason == reason and outcome.completion_tokens == 2

@@ -64,11 +64,15 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Finished:
-    """Last event of a generation that ran to EOS (``stop``) or to ``max_tokens`` (``length``)."""
+    """Last event of a generation that ran to EOS (``stop``) or to ``max_tokens`` (``length``).
+
+    ``text`` is what the tokens' increments held back at the end (an incomplete UTF-8 sequence), so
+    that every token's text can go out as soon as the token exists."""
 
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    text: str = ""
 
 
 BackendEvent = Started | TokenEvent | Finished

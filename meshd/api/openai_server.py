@@ -90,6 +90,11 @@ async def run_generation(
                 if matcher.stopped:
                     return Outcome("stop", prompt_tokens, produced)
             elif isinstance(event, Finished):
+                safe = matcher.feed(event.text) if event.text else ""
+                if safe:
+                    await on_text(safe)
+                if matcher.stopped:
+                    return Outcome("stop", prompt_tokens, produced)
                 tail = matcher.flush()
                 if tail:
                     await on_text(tail)

@@ -70,7 +70,6 @@ class MeshBackend:
         yield Started(prompt_tokens=len(prompt))
         detok = IncrementalDetokenizer(tokenizer)
         generated: list[int] = []
-        last: TokenEvent | None = None
         avoid: set[str] = set()
         refusals: list[str] = []
         deadline = trio.current_time() + cfg.request_timeout_s
@@ -123,9 +122,7 @@ class MeshBackend:
                             log.info("session %s repaired (%s hop lost) in %.0f ms: epoch %d on %s",
                                      req.request_id, position, took_ms, attempt, route.describe())
                         generated.append(token)
-                        if last is not None:
-                            yield last
-                        last = TokenEvent(text=detok.push(token), token_id=token)
+                        yield TokenEvent(text=detok.push(token), token_id=token)
                 await done.wait()  # the attempt's outcome is recorded only once its task has ended
             finally:
                 scope.cancel()
@@ -151,10 +148,8 @@ class MeshBackend:
             if not generated and refusals:
                 raise Overloaded("; ".join(refusals), retry_after=2.0)
             raise RouteFailed(cause)
-        if last is not None:
-            yield TokenEvent(text=last.text + detok.flush(), token_id=last.token_id)
-        reason = "stop" if last is not None and eos is not None and last.token_id == eos else "length"
-        yield Finished(reason, len(prompt), len(generated))
+        reason = "stop" if generated and eos is not None and generated[-1] == eos else "length"
+        yield Finished(reason, len(prompt), len(generated), text=detok.flush())
 
 
 # Failure codes: peers that refuse admission, and failures that are no fault of the peer that reports them.
