@@ -332,3 +332,30 @@ async def test_a_finished_session_is_not_waited_for(autojump_clock):
     batcher.forget("b", 0)  # b would be due at 20.5, within a step of a's next one
     await _submit_at(batcher, "a", [20.0], results)
     assert batcher.stats.held_batches == 0 and results[-1] == ("a", 1, 21.0, 0)
+
+
+async def test_a_failed_batch_fails_its_steps_and_the_prefill_after_it_still_runs(autojump_clock):
+    rec = _Recorder(delay=1.0)
+
+    async def broken_batch(bundles):
+        rec.calls.append([b.session_id for b in bundles])
+        await trio.sleep(1.0)
+        raise RuntimeError("compute thread gone")
+
+    batcher = StepBatcher(broken_batch, rec.one)
+    outcomes = {}
+
+    async def submit(name, bundle, delay):
+        await trio.sleep(delay)
+        try:
+            outcomes[name] = (await batcher.submit(bundle)).token
+        except RuntimeError as exc:
+            outcomes[name] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 5), 0.0)
+        nursery.start_soon(submit, "b", _bundle("b", Phase.DECODE, 6), 0.1)
+        nursery.start_soon(submit, "c", _bundle("c", Phase.DECODE, 7), 0.2)
+        nursery.start_soon(submit, "p", _bundle("p", Phase.PREFILL, 0, 8), 0.3)
+    assert rec.calls == [["a"], ["b", "c"], ["p"]]
+    assert outcomes == {"a": 5, "b": "compute thread gone", "c": "compute thread gone", "p": 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshd.errors import CacheMiss, KVBudgetExceeded
 from meshd.runtime.chain import LocalChain, input_bundles
@@ -118,3 +119,17 @@ def test_session_larger_than_the_whole_budget_is_refused(tiny_model):
     with pytest.raises(KVBudgetExceeded):
         Stepper(LocalChain([shard]), "big", PROMPT).step()
     assert len(shard.kv) == 0
+
+
+def test_a_hops_output_cache_keeps_a_batched_row_not_the_whole_batch():
+    from meshd.session.hop import _OutputCache
+
+    batch = torch.randn(16, 1, 64)  # a batched step's output: each session's row is a view of it
+    cache = _OutputCache()
+    cache.append(0, batch[3])
+    assert cache.nbytes == 64 * 4
+    assert cache.parts[0].untyped_storage().nbytes() == 64 * 4
+    assert torch.equal(cache.slice(0, 1), batch[3])
+    whole = torch.randn(8, 64)  # a prefill chunk owns its storage: kept as it is, no copy
+    cache.append(1, whole)
+    assert cache.parts[1] is whole

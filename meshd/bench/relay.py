@@ -39,6 +39,7 @@ import trio
 from meshd import __version__
 from meshd.daemon.local_mesh import LocalMesh
 from meshd.identity import Identity
+from meshd.stats import percentiles
 from meshd.transport import Transport
 from meshd.transport.relay import RelayRegistration, relay_address
 
@@ -47,16 +48,10 @@ ACK_PATH = "/bench/ack"
 LINK_CAPS = "12.5MB,125MB"  # 100 Mbit/s and 1 Gbit/s
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def summarize(samples_ms: list[float]) -> dict:
-    return {"n": len(samples_ms), "p50_ms": round(_percentile(samples_ms, 50), 3),
-            "p95_ms": round(_percentile(samples_ms, 95), 3), "mean_ms": round(statistics.fmean(samples_ms), 3),
-            "min_ms": round(min(samples_ms), 3)}
+    figures = percentiles(samples_ms)
+    return {"n": figures["count"], "p50_ms": round(figures["p50"], 3), "p95_ms": round(figures["p95"], 3),
+            "mean_ms": round(figures["mean"], 3), "min_ms": round(min(samples_ms), 3)}
 
 
 # -- the echo peer (a child process) ---------------------------------------------------------------

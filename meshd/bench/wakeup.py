@@ -16,19 +16,14 @@ the machine's and how much is ours:
 from __future__ import annotations
 
 import socket
-import statistics
 import threading
 import time
 from multiprocessing import get_context
 
+from meshd.stats import percentiles
+
 SAMPLES = 200
 IDLE_MS = 20.0
-
-
-def _quantiles(samples_s: list[float]) -> dict:
-    ordered = sorted(samples_s)
-    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6, 1)  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "mean": round(statistics.fmean(ordered) * 1e6, 1)}
 
 
 def _round_trips(once, samples: int, idle_s: float) -> list[float]:
@@ -62,8 +57,8 @@ def thread_handoff(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
 
     try:
         _round_trips(once, 20, 0.0)
-        return {"hot": _quantiles(_round_trips(once, samples, 0.0)),
-                "idle": _quantiles(_round_trips(once, samples, idle_ms / 1000))}
+        return {"hot": percentiles(_round_trips(once, samples, 0.0), scale=1e6),
+                "idle": percentiles(_round_trips(once, samples, idle_ms / 1000), scale=1e6)}
     finally:
         stop = True
         request.release()
@@ -87,8 +82,8 @@ def process_round_trip(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict
 
     try:
         _round_trips(once, 20, 0.0)
-        return {"hot": _quantiles(_round_trips(once, samples, 0.0)),
-                "idle": _quantiles(_round_trips(once, samples, idle_ms / 1000))}
+        return {"hot": percentiles(_round_trips(once, samples, 0.0), scale=1e6),
+                "idle": percentiles(_round_trips(once, samples, idle_ms / 1000), scale=1e6)}
     finally:
         ours.close()
         child.join(timeout=5)

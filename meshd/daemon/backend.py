@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelIn
 from meshd.api.errors import BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
 from meshd.session.detokenize import IncrementalDetokenizer
 from meshd.session.entry import SessionPlan, run_session
+from meshd.session.hop import STATS_WINDOW
 from meshd.tracker.routing import NoRouteError
 from meshd.wire.bundle import Sampling
 
@@ -78,6 +80,7 @@ class MeshBackend:
         failure: list[BaseException] = []
         pending_repair: tuple[float, str] | None = None
         previous = None
+        ran_epoch = 0  # the epoch the last session actually ran under: hops keep their KV by it
         for attempt in range(cfg.repair_attempts + 1):
             if attempt:
                 if trio.current_time() - repairing_since > cfg.repair_budget_s:
@@ -101,7 +104,7 @@ class MeshBackend:
                     unchanged += 1
             previous = route
             plan = SessionPlan(
-                unchanged_prefix=unchanged, resume_from_epoch=max(0, attempt - 1),
+                unchanged_prefix=unchanged, resume_from_epoch=ran_epoch,
                 route=replace(route, epoch=attempt), addresses=addresses, prompt=prompt + generated,
                 max_new_tokens=max_new - len(generated), sampling=sampling, eos_token_id=eos,
                 chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s, session_id=req.request_id,
@@ -111,6 +114,7 @@ class MeshBackend:
             failure = []
             done = trio.Event()
             scope = await peer.sessions_nursery.start(_session_task, peer, plan, send, failure, deadline, done)
+            ran_epoch = attempt
             try:
                 async with receive:
                     async for token in receive:
@@ -118,7 +122,7 @@ class MeshBackend:
                             failed_at, position = pending_repair
                             pending_repair = None
                             took_ms = (trio.current_time() - failed_at) * 1000
-                            peer.repair_ms.setdefault(position, []).append(took_ms)
+                            peer.repair_ms.setdefault(position, deque(maxlen=STATS_WINDOW)).append(took_ms)
                             log.info("session %s repaired (%s hop lost) in %.0f ms: epoch %d on %s",
                                      req.request_id, position, took_ms, attempt, route.describe())
                         generated.append(token)

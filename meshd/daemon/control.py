@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from meshd.session.hop import percentiles
+from meshd.stats import percentiles
 from meshd.tracker.routing import NoRouteError
 
 

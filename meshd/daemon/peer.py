@@ -16,6 +16,7 @@ import os
 import random
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import psutil
@@ -95,7 +96,7 @@ class Peer:
         self.leaving = False
         self.entry_sessions = 0
         self._met_mesh_at: float | None = None
-        self.repair_ms: dict[str, list[float]] = {}  # by the lost hop's position in the route
+        self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
         self.rtt_ms: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
         self.api_port: int | None = None
@@ -204,7 +205,10 @@ class Peer:
     def is_alive(self, peer_id: str) -> bool:
         """Gossip's verdict, for sessions in flight: only a peer declared dead fails them (a leaving
         peer is still draining its running sessions)."""
-        return peer_id == self.peer_id or self.gossip.members().get(peer_id) != MemberState.DEAD
+        if peer_id == self.peer_id:
+            return True
+        member = self.gossip.member(peer_id)
+        return member is None or member.state != MemberState.DEAD
 
     async def leave(self) -> None:
         """Graceful leave: announce it, refuse new sessions, let running ones finish (bounded)."""
@@ -569,35 +573,39 @@ class Peer:
     # -- run ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        cfg = self.config
-        async with self.transport, trio.open_nursery() as nursery:
-            self._nursery = nursery
-            host, port = seam.split_address(cfg.listen)
-            self.listen_port = await nursery.start(self.transport.serve, host, port, self.handle_stream)
-            if port == 0:
-                cfg.advertise = f"{_host(cfg.advertised)}:{self.listen_port}"
-            async with trio.open_nursery() as sessions:
-                self.sessions_nursery = sessions
-                api_host, api_port = seam.split_address(cfg.api)
-                self.api_port = await nursery.start(serve_asgi, build_app(MeshBackend(self)), api_host, api_port,
-                                                    "meshd.api.http")
-                cfg.api = f"{api_host}:{self.api_port}"
-                ctl_host, ctl_port = seam.split_address(cfg.control)
-                self.control_port = await nursery.start(serve_asgi, build_control_app(self), ctl_host, ctl_port,
-                                                        "meshd.control.http")
-                self.republish_card()
-                if self.host is not None and cfg.layers is not None:
-                    self._load_started = True
-                    nursery.start_soon(self._load, *cfg.layers)
-                nursery.start_soon(self._tick_loop)
-                nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
-                log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, cfg.advertised,
-                         cfg.api, f"{ctl_host}:{self.control_port}")
-                self.ready.set()
-                if cfg.ready_file is not None:
-                    _write_atomically(cfg.ready_file, json.dumps(self.status()))
-                task_status.started(self)
-                await trio.sleep_forever()
+        try:
+            cfg = self.config
+            async with self.transport, trio.open_nursery() as nursery:
+                self._nursery = nursery
+                host, port = seam.split_address(cfg.listen)
+                self.listen_port = await nursery.start(self.transport.serve, host, port, self.handle_stream)
+                if port == 0:
+                    cfg.advertise = f"{_host(cfg.advertised)}:{self.listen_port}"
+                async with trio.open_nursery() as sessions:
+                    self.sessions_nursery = sessions
+                    api_host, api_port = seam.split_address(cfg.api)
+                    self.api_port = await nursery.start(serve_asgi, build_app(MeshBackend(self)), api_host, api_port,
+                                                        "meshd.api.http")
+                    cfg.api = f"{api_host}:{self.api_port}"
+                    ctl_host, ctl_port = seam.split_address(cfg.control)
+                    self.control_port = await nursery.start(serve_asgi, build_control_app(self), ctl_host, ctl_port,
+                                                            "meshd.control.http")
+                    self.republish_card()
+                    if self.host is not None and cfg.layers is not None:
+                        self._load_started = True
+                        nursery.start_soon(self._load, *cfg.layers)
+                    nursery.start_soon(self._tick_loop)
+                    nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
+                    log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, cfg.advertised,
+                             cfg.api, f"{ctl_host}:{self.control_port}")
+                    self.ready.set()
+                    if cfg.ready_file is not None:
+                        _write_atomically(cfg.ready_file, json.dumps(self.status()))
+                    task_status.started(self)
+                    await trio.sleep_forever()
+        finally:
+            if self.host is not None:
+                self.host.close()  # its compute thread, with the OpenMP team it holds
 
 
 def _write_atomically(path: Path, text: str) -> None:

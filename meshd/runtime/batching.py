@@ -227,15 +227,15 @@ class StepBatcher:
         compute_s = 0.0
         try:
             with trio.CancelScope(shield=True):
-                if len(steps) == 1:
-                    try:
+                try:
+                    if len(steps) == 1:
                         result, compute_s = await self._run_one(steps[0].bundle)
                         outcomes: list[StepResult | BaseException] = [result]
-                    except Exception as exc:
-                        outcomes = [exc]
-                else:
-                    results, compute_s = await self._run_batch([s.bundle for s in steps])
-                    outcomes = list(results)
+                    else:
+                        results, compute_s = await self._run_batch([s.bundle for s in steps])
+                        outcomes = list(results)
+                except Exception as exc:  # the steps' error, not the turn holder's: each step gets it
+                    outcomes = [exc] * len(steps)
         except BaseException as exc:
             for step in steps:
                 step.finish(exc)

@@ -23,6 +23,7 @@ from meshd.runtime.host import ShardHost
 from meshd.runtime.shard import HIDDEN_STATES
 from meshd.session import messages as m
 from meshd.session.link_compression import CompressionPolicy
+from meshd.stats import percentiles
 from meshd.wire import bundle as wire
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -113,14 +114,6 @@ class HopStats:
         }
 
 
-def percentiles(values) -> dict:
-    data = sorted(values)
-    if not data:
-        return {"count": 0}
-    pick = lambda q: data[min(len(data) - 1, int(q * len(data)))]  # noqa: E731
-    return {"count": len(data), "p50": pick(0.5), "p95": pick(0.95), "mean": sum(data) / len(data)}
-
-
 class HopService:
     def __init__(
         self,
@@ -143,7 +136,6 @@ class HopService:
         self.compression = compression
         self._links: dict[str, CompressionPolicy] = {}  # per next hop's peer id
         self._reserved: dict[tuple[str, int], int] = {}
-        self._inflight = 0
         # What this hop sent downstream per session (for resuming after a repair), and sessions whose
         # route failed, kept for RESUME_GRACE_S in case the entry's new route keeps this hop.
         self._outputs: dict[tuple[str, int], _OutputCache] = {}
@@ -241,8 +233,8 @@ class HopService:
 
     @property
     def queued(self) -> int:
-        """Steps waiting for this peer's compute (one runs, the rest wait)."""
-        return max(0, self._inflight - 1)
+        """Steps waiting for this peer's compute (not yet taken into a batch)."""
+        return 0 if self.host is None else self.host.batcher.waiting
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.host.shard.config
@@ -315,11 +307,7 @@ class HopService:
                 if cut == bundle.start_position + bundle.token_count:
                     continue
                 bundle = _part(bundle, cut, bundle.start_position + bundle.token_count)
-            self._inflight += 1
-            try:
-                result = await self.host.forward(bundle)
-            finally:
-                self._inflight -= 1
+            result = await self.host.forward(bundle)
             if decoding:
                 self.stats.compute_ms.append(result.compute_ms)
                 self.stats.queue_ms.append(result.queue_ms)
@@ -390,6 +378,7 @@ class HopService:
             cache.truncate(kept)
             self._outputs[new] = cache
         if kept:
+            self.host.batcher.forget(*old)  # the old epoch's KV lives on under the new one
             self.stats.resumed_sessions += 1
             log.info("session %s: kept %d tokens of epoch %d's KV for epoch %d", open_.session_id[:12], kept,
                      old[1], new[1])
@@ -494,6 +483,8 @@ class _OutputCache:
         if self.broken or start != self.length or self.nbytes + size > OUTPUT_CACHE_BYTES:
             self.broken, self.parts, self.length, self.nbytes = True, [], 0, 0
             return
+        if hidden.untyped_storage().nbytes() > size:  # a row of a batched step: do not keep the whole batch
+            hidden = hidden.clone()
         self.parts.append(hidden)
         self.length += hidden.shape[0]
         self.nbytes += size
