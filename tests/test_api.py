@@ -82,7 +82,7 @@ class FakeBackend:
 @pytest.fixture
 async def server(nursery: trio.Nursery) -> tuple[FakeBackend, str]:
     backend = FakeBackend()
-    port = await nursery.start(serve_api, backend, "127.0.0.1", 0)
+    port = await nursery.start(serve_api, backend, "127.0.0.1:0")
     return backend, f"http://127.0.0.1:{port}"
 
 
@@ -417,7 +417,7 @@ async def test_client_disconnect_closes_the_generation(server: tuple[FakeBackend
 
 async def test_serve_api_stops_when_cancelled() -> None:
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_api, FakeBackend(), "127.0.0.1", 0)
+        port = await nursery.start(serve_api, FakeBackend(), "127.0.0.1:0")
         async with httpx2.AsyncClient(timeout=5) as http:
             assert (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
         nursery.cancel_scope.cancel()

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import pytest
-from nacl.signing import SigningKey
 
 from meshd.cards import (
     CardIssuer,
     CardRejected,
     CardStore,
     RejectReason,
-    peer_id_from_public_key,
     sign_card,
     verify_card,
 )
+from meshd.identity import Identity, peer_id_from_public_key
 from meshd.wire import card_pb2 as pb
 
 NOW = 1_000_000
 
 
-def make_card(key: SigningKey, sequence: int = 1, **overrides) -> pb.CapabilityCard:
-    public = bytes(key.verify_key)
+def make_card(key: Identity, sequence: int = 1, **overrides) -> pb.CapabilityCard:
+    public = key.public_key
     card = pb.CapabilityCard(
         peer_id=peer_id_from_public_key(public), public_key=public, name="gpu-box", sequence=sequence,
         issued_at_ms=NOW - 1000, expires_at_ms=NOW + 60_000, addresses=["10.0.0.2:7400"],
@@ -36,8 +35,8 @@ def make_card(key: SigningKey, sequence: int = 1, **overrides) -> pb.CapabilityC
 
 
 @pytest.fixture
-def key() -> SigningKey:
-    return SigningKey.generate()
+def key() -> Identity:
+    return Identity.generate()
 
 
 def snapshot(store: CardStore) -> dict[str, bytes]:
@@ -54,7 +53,7 @@ def test_valid_card_is_accepted_and_round_trips(key):
     store = CardStore()
     signed = sign_card(make_card(key), key)
     assert store.accept(signed.SerializeToString(), NOW)
-    held = store.get(peer_id_from_public_key(bytes(key.verify_key)))
+    held = store.get(peer_id_from_public_key(key.public_key))
     assert held is not None and held.sequence == 1
     assert held.card.models[0].range_end == 4 and held.card.hardware.device == "cuda:0"
     assert store.accept(signed, NOW) is False  # an exact duplicate is a gossip echo, not news
@@ -70,27 +69,27 @@ def test_issuer_increments_sequence(key):
     assert second.card.name == "n" and second.expires_at_ms == NOW + 1 + 5000
 
 
-def tampered(key: SigningKey) -> pb.SignedCard:
+def tampered(key: Identity) -> pb.SignedCard:
     signed = sign_card(make_card(key), key)
     card = pb.CapabilityCard.FromString(signed.card)
     card.kv_free_bytes = 1 << 40
     return pb.SignedCard(card=card.SerializeToString(), signature=signed.signature)
 
 
-def signed_by_other(key: SigningKey) -> pb.SignedCard:
-    return sign_card(make_card(key), SigningKey.generate())
+def signed_by_other(key: Identity) -> pb.SignedCard:
+    return sign_card(make_card(key), Identity.generate())
 
 
-def key_not_matching(key: SigningKey) -> pb.SignedCard:
-    other = SigningKey.generate()
-    return sign_card(make_card(key, public_key=bytes(other.verify_key)), other)
+def key_not_matching(key: Identity) -> pb.SignedCard:
+    other = Identity.generate()
+    return sign_card(make_card(key, public_key=other.public_key), other)
 
 
-def expired(key: SigningKey) -> pb.SignedCard:
+def expired(key: Identity) -> pb.SignedCard:
     return sign_card(make_card(key, issued_at_ms=NOW - 10_000, expires_at_ms=NOW), key)
 
 
-def no_signature(key: SigningKey) -> pb.SignedCard:
+def no_signature(key: Identity) -> pb.SignedCard:
     return pb.SignedCard(card=make_card(key).SerializeToString())
 
 
@@ -103,7 +102,7 @@ def no_signature(key: SigningKey) -> pb.SignedCard:
 ])
 def test_bad_cards_are_rejected_with_reason_and_leave_store_unchanged(key, build, reason):
     store = CardStore()
-    other = SigningKey.generate()
+    other = Identity.generate()
     store.accept(sign_card(make_card(other), other), NOW)
     before = snapshot(store)
     with pytest.raises(CardRejected) as info:
@@ -141,7 +140,7 @@ def test_sweep_drops_expired_and_floor_blocks_resurrection(key):
     signed = sign_card(make_card(key, sequence=3), key)
     store.accept(signed, NOW)
     assert store.sweep(NOW + 30_000) == []
-    peer_id = peer_id_from_public_key(bytes(key.verify_key))
+    peer_id = peer_id_from_public_key(key.public_key)
     assert store.sweep(NOW + 60_000) == [peer_id]
     assert peer_id not in store
     assert store.known_sequence(peer_id) == 3

@@ -6,10 +6,9 @@ import heapq
 import itertools
 
 import pytest
-from nacl.signing import SigningKey
 
-from meshd.cards import peer_id_of
 from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged, sign_lease, verify_lease
+from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
 CONFIG = ElectionConfig(lease_duration=3.0, renew_interval=1.0, jitter_step=0.5, max_jitter=1.5)
@@ -19,8 +18,8 @@ LATENCY = 0.02
 
 class Cluster:
     def __init__(self, n: int = 5, config: ElectionConfig = CONFIG) -> None:
-        self.keys = [SigningKey(bytes([i + 7]) * 32) for i in range(n)]
-        self.nodes = {peer_id_of(k): Election(peer_id_of(k), True, config, k) for k in self.keys}
+        self.keys = [Identity.from_seed(bytes([i + 7]) * 32) for i in range(n)]
+        self.nodes = {k.peer_id: Election(k.peer_id, True, config, k) for k in self.keys}
         self.ids = sorted(self.nodes)
         self.now = 0.0
         self.dead: set[str] = set()
@@ -138,7 +137,7 @@ def test_forged_leases_are_ignored():
     lease.term = 100
     tampered = pb.SignedLease(lease=lease.SerializeToString(), signature=genuine.signature)
     # 2. a stranger's key claiming to be the tracker's peer id
-    stranger = SigningKey.generate()
+    stranger = Identity.generate()
     spoof = sign_lease(stranger, 100, now_ms, now_ms + 60_000)
     spoofed_body = pb.TrackerLease.FromString(spoof.lease)
     spoofed_body.peer_id = cluster.ids[4]
@@ -151,28 +150,28 @@ def test_forged_leases_are_ignored():
     assert victim.highest_term == 1
 
 
-def sign_lease_body(key: SigningKey, lease: pb.TrackerLease) -> pb.SignedLease:
+def sign_lease_body(key: Identity, lease: pb.TrackerLease) -> pb.SignedLease:
     payload = lease.SerializeToString()
-    return pb.SignedLease(lease=payload, signature=key.sign(payload).signature)
+    return pb.SignedLease(lease=payload, signature=key.sign(payload))
 
 
 def test_equal_terms_tie_break_to_lowest_peer_id():
-    keys = [SigningKey(bytes([i + 40]) * 32) for i in range(2)]
-    low, high = sorted(keys, key=peer_id_of)
+    keys = [Identity.from_seed(bytes([i + 40]) * 32) for i in range(2)]
+    low, high = sorted(keys, key=lambda k: k.peer_id)
     observer = Election("observer", False)
     observer.on_lease(sign_lease(high, 4, 0, 5000), 0.0)
     observer.on_lease(sign_lease(low, 4, 0, 5000), 0.0)
-    assert observer.tracker(1.0) == peer_id_of(low)
+    assert observer.tracker(1.0) == low.peer_id
     observer.on_lease(sign_lease(high, 5, 0, 5000), 1.0)
-    assert observer.tracker(1.0) == peer_id_of(high)
+    assert observer.tracker(1.0) == high.peer_id
     assert observer.tracker(5.0) is None  # all expired
     assert observer.highest_term == 5
 
 
 def test_ineligible_peer_never_claims():
-    key = SigningKey.generate()
-    node = Election(peer_id_of(key), False, CONFIG, key)
-    assert [a for t in range(100) for a in node.tick(t * 0.1, [peer_id_of(key)])] == []
+    key = Identity.generate()
+    node = Election(key.peer_id, False, CONFIG, key)
+    assert [a for t in range(100) for a in node.tick(t * 0.1, [key.peer_id])] == []
 
 
 def test_config_rejects_renewal_slower_than_lease():
@@ -185,7 +184,7 @@ def test_election_over_gossip_survives_tracker_death():
     from tests.test_gossip import Network
 
     net = Network(6)
-    keys = {peer_id_of(k): k for k in (SigningKey(bytes([i + 1]) * 32) for i in range(6))}
+    keys = {k.peer_id: k for k in (Identity.from_seed(bytes([i + 1]) * 32) for i in range(6))}
     elections = {p: Election(p, True, CONFIG, keys[p]) for p in net.ids}
     plain_perform = net.perform
 

@@ -6,10 +6,10 @@ import heapq
 import itertools
 import random
 
-from nacl.signing import SigningKey
-
+from meshd.address import Address
 from meshd.cards import RejectReason
-from meshd.gossip import Address, GossipConfig, GossipNode, MemberChanged, MemberState, Send, dead_everywhere_bound
+from meshd.gossip import GossipConfig, GossipNode, MemberChanged, MemberState, Send, dead_everywhere_bound
+from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
 CONFIG = GossipConfig(probe_interval=0.5, probe_timeout=0.15, indirect_probes=3, suspect_timeout=2.0,
@@ -28,8 +28,8 @@ class Network:
         self.nodes: dict[str, GossipNode] = {}
         self.by_address: dict[str, str] = {}
         for i in range(n):
-            key = SigningKey(bytes([i + 1]) * 32)
-            node = GossipNode.with_key(key, pb.CapabilityCard(addresses=[f"node{i}:7400"]), config,
+            identity = Identity.from_seed(bytes([i + 1]) * 32)
+            node = GossipNode.with_identity(identity, pb.CapabilityCard(addresses=[f"node{i}:7400"]), config,
                                        random.Random(seed * 1000 + i))
             self.nodes[node.self_id] = node
             self.by_address[f"node{i}:7400"] = node.self_id
@@ -44,7 +44,7 @@ class Network:
     def perform(self, sender: str, actions) -> None:
         for action in actions:
             if isinstance(action, Send):
-                to = self.by_address[action.to.host_port] if isinstance(action.to, Address) else action.to
+                to = self.by_address[str(action.to)] if isinstance(action.to, Address) else action.to
                 raw = action.message.SerializeToString()
                 heapq.heappush(self._queue, (self.now + LATENCY, next(self._counter), sender, to, raw))
             elif isinstance(action, MemberChanged):
@@ -222,7 +222,7 @@ def test_a_lease_seen_before_is_not_checked_again_but_a_forged_copy_is(monkeypat
     monkeypatch.setattr(node_module, "verify_lease", counting)
     net = Network(2)
     a = net.nodes[net.ids[0]]
-    genuine = sign_lease(SigningKey(bytes([9]) * 32), 3, 0, 60_000)
+    genuine = sign_lease(Identity.from_seed(bytes([9]) * 32), 3, 0, 60_000)
     for _ in range(5):
         a.on_message(net.ids[1], pb.GossipMessage(leases=[genuine]), 1.0)
     assert len(checks) == 1 and [s.signature for s in a.leases()] == [genuine.signature]

@@ -15,13 +15,12 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 import trio
-from nacl.signing import SigningKey
 from openai import OpenAI
 
 from meshd.cards import sign_card
 from meshd.daemon.local_mesh import LocalMesh, budgets_for_split
 from meshd.identity import Identity, peer_id_from_public_key
-from meshd.session.messages import SEAM_PATH, split_address
+from meshd.session.messages import SEAM_PATH
 from meshd.transport import PeerAuthError, Transport
 from meshd.wire import card_pb2 as cpb
 from tests.helpers import chat_reference
@@ -136,12 +135,12 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     target = mesh.peers[0]
     before = {(r["peer_id"], r["sequence"]) for r in target.get("/peers")["peers"]}
     rejected_before = target.get("/status")["rejected_cards"]
-    key = SigningKey.generate()
-    me = peer_id_from_public_key(bytes(key.verify_key))
+    key = Identity.generate()
+    me = peer_id_from_public_key(key.public_key)
     now = int(time.time() * 1000)
 
     def card(sequence: int, expires: int, peer_id: str = me) -> cpb.SignedCard:
-        c = cpb.CapabilityCard(peer_id=peer_id, public_key=bytes(key.verify_key), sequence=sequence,
+        c = cpb.CapabilityCard(peer_id=peer_id, public_key=key.public_key, sequence=sequence,
                                issued_at_ms=min(now, expires - 60_000), expires_at_ms=expires,
                                addresses=["127.0.0.1:9"])
         return sign_card(c, key)
@@ -149,9 +148,8 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     bad_signature = card(7, now + 60_000)
     bad_signature.signature = bytes(64)
     forged = [bad_signature, card(3, now - 1000), card(9, now + 60_000, peer_id=mesh.peers[1].peer_id)]
-    identity = Identity(key)
-    async with Transport(identity) as transport:
-        address = split_address(target.listen)
+    async with Transport(key) as transport:
+        address = target.listen
         for signed in forged:
             msg = cpb.GossipMessage(cards=[signed])
             await transport.request(target.peer_id, address, "/meshd/gossip", msg.SerializeToString())
@@ -174,7 +172,7 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
 async def test_tls_peer_claiming_another_identity_is_refused(mesh):
     async with Transport(Identity.generate()) as transport:
         with pytest.raises(PeerAuthError):
-            await transport.request(mesh.peers[1].peer_id, split_address(mesh.peers[0].listen), "/meshd/gossip",
+            await transport.request(mesh.peers[1].peer_id, mesh.peers[0].listen, "/meshd/gossip",
                                     b"")
 
 
@@ -188,7 +186,7 @@ async def test_malformed_and_oversized_seam_frames_reset_only_their_stream(mesh,
     worker = threading.Thread(target=long_generation)
     worker.start()
     async with Transport(Identity.generate()) as transport:
-        address = split_address(middle.listen)
+        address = middle.listen
         garbage = await transport.open_stream(middle.peer_id, address, SEAM_PATH)
         await garbage.send_message(b"\xff\x00 definitely not a seam message")
         with trio.fail_after(10):

@@ -14,6 +14,7 @@ from meshd_relay import RelayConfig, RelayServer, load_config
 from meshd_relay.limits import TokenBucket
 from trio_websocket import ConnectionClosed, open_websocket
 
+from meshd.address import Address, relay_address
 from meshd.identity import Identity
 from meshd.transport import Transport
 from meshd.transport.relay import (
@@ -25,8 +26,6 @@ from meshd.transport.relay import (
     RelayRegistration,
     parse_message,
     registration_message,
-    relay_address,
-    relay_endpoint,
 )
 from meshd.wire.bundle import HiddenStateBundle, Phase, encode
 
@@ -122,9 +121,10 @@ def test_token_bucket_shapes_then_refuses():
 
 
 def test_relay_addresses_round_trip():
-    assert relay_address("198.51.100.7:7800") == "relay:198.51.100.7:7800"
-    assert relay_endpoint("relay:198.51.100.7:7800") == ("198.51.100.7", 7800)
-    assert relay_endpoint(("relay:[::1", 7800)) == ("::1", 7800)
+    assert str(relay_address("198.51.100.7:7800")) == "relay:198.51.100.7:7800"
+    assert Address.parse("relay:198.51.100.7:7800").endpoint == Address("198.51.100.7", 7800)
+    assert Address.parse("relay:[::1]:7800").endpoint == Address("::1", 7800)
+    assert str(relay_address("[::1]:7800")) == "relay:[::1]:7800"
 
 
 def test_config_from_toml_and_flags(tmp_path):
@@ -319,11 +319,11 @@ async def test_relay_forwards_only_tls_records(nursery):
 async def test_a_relayed_connection_is_replaced_by_a_direct_one(nursery):
     relay = await start_relay(nursery)
     target = await relayed_peer(nursery, relay)
-    port = await nursery.start(target.transport.serve, "127.0.0.1", 0, echo)
+    port = await nursery.start(target.transport.serve, "127.0.0.1:0", echo)
     client = await dialer(nursery)
     assert await round_trip(client, target, relay) == b"ping"
     assert client.connection_route(target.peer_id) == "relay"
-    assert await client.request(target.peer_id, ("127.0.0.1", port), ECHO, b"direct") == b"direct"
+    assert await client.request(target.peer_id, Address("127.0.0.1", port), ECHO, b"direct") == b"direct"
     assert client.connection_route(target.peer_id) == "direct"
     assert await client.check_dialable(target.peer_id, f"127.0.0.1:{port}") is None
     assert await client.check_dialable(Identity.generate().peer_id, f"127.0.0.1:{port}") is not None

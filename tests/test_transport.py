@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
+from meshd.address import Address
 from meshd.identity import Identity
 from meshd.transport import (
     ErrorCodes,
@@ -43,7 +44,7 @@ def client_identity(tmp_path):
 @asynccontextmanager
 async def serving(identity, handler, port=0, **settings):
     async with Transport(identity, **settings) as transport, trio.open_nursery() as nursery:
-        await nursery.start(transport.serve, HOST, port, handler)
+        await nursery.start(transport.serve, Address(HOST, port), handler)
         yield transport
         nursery.cancel_scope.cancel()
 
@@ -116,7 +117,7 @@ async def test_unary_request_authenticates_both_sides(server_identity, client_id
 
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, handler) as server, Transport(client_identity) as client:
-            address = (HOST, server.listen_port)
+            address = Address(HOST, server.listen_port)
             reply = await client.request(server_identity.peer_id, address, "/v1/ping", b"hi", headers={"X-Trace": "7"})
             assert reply == b"re:hi"
             assert seen == [(client_identity.peer_id, "/v1/ping", {"x-trace": "7"})]
@@ -137,7 +138,7 @@ async def test_handler_error_status_is_reported(server_identity, client_identity
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, handler) as server, Transport(client_identity) as client:
             with pytest.raises(TransportError, match="404: no such seam"):
-                await client.request(server_identity.peer_id, (HOST, server.listen_port), "/x", b"", timeout=5)
+                await client.request(server_identity.peer_id, Address(HOST, server.listen_port), "/x", b"", timeout=5)
 
 
 async def test_fifty_streams_share_one_connection(server_identity, client_identity):
@@ -156,7 +157,7 @@ async def test_fifty_streams_share_one_connection(server_identity, client_identi
 
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, echo) as server, Transport(client_identity) as client:
-            address = (HOST, server.listen_port)
+            address = Address(HOST, server.listen_port)
             async with trio.open_nursery() as nursery:
                 for n in range(50):
                     nursery.start_soon(session, client, address, n)
@@ -183,7 +184,7 @@ async def test_large_message_waits_for_a_slow_reader(server_identity, client_ide
             serving(server_identity, slow_handler, stream_window=window) as server,
             Transport(client_identity, stream_window=window) as client,
         ):
-            stream = await client.open_stream(server_identity.peer_id, (HOST, server.listen_port), "/big")
+            stream = await client.open_stream(server_identity.peer_id, Address(HOST, server.listen_port), "/big")
             sent = trio.Event()
 
             async def send():
@@ -211,7 +212,7 @@ async def test_dialling_the_wrong_identity_fails(server_identity, client_identit
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, echo) as server, Transport(client_identity) as client:
             with pytest.raises(PeerAuthError, match=f"dialled peer {impostor.peer_id}"):
-                await client.open_stream(impostor.peer_id, (HOST, server.listen_port), "/x")
+                await client.open_stream(impostor.peer_id, Address(HOST, server.listen_port), "/x")
             assert client.connection_count == 0
 
 
@@ -259,7 +260,7 @@ async def test_forged_client_auth_is_rejected(server_identity, client_identity, 
             assert all(r.levelno == logging.WARNING for r in rejections)
             assert "signature does not verify" in rejections[0].getMessage()
             # The server keeps serving honest peers.
-            reply = await client.request(server_identity.peer_id, (HOST, server.listen_port), "/echo", b"ok")
+            reply = await client.request(server_identity.peer_id, Address(HOST, server.listen_port), "/echo", b"ok")
             assert reply == b"ok"
 
 
@@ -275,7 +276,7 @@ async def test_bad_framing_resets_only_its_stream(server_identity, client_identi
 
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, handler) as server, Transport(client_identity) as client:
-            address = (HOST, server.listen_port)
+            address = Address(HOST, server.listen_port)
             good = await client.open_stream(server_identity.peer_id, address, "/good")
             await good.send_message(b"before")
             assert await good.receive_message() == b"before"
@@ -306,7 +307,7 @@ async def test_local_oversized_send_leaves_stream_usable(server_identity, client
             serving(server_identity, echo, max_message_bytes=1024) as server,
             Transport(client_identity, max_message_bytes=1024) as client,
         ):
-            stream = await client.open_stream(server_identity.peer_id, (HOST, server.listen_port), "/e")
+            stream = await client.open_stream(server_identity.peer_id, Address(HOST, server.listen_port), "/e")
             with pytest.raises(MessageTooLarge):
                 await stream.send_message(b"x" * 1025)
             await stream.send_message(b"x" * 1024)
@@ -322,7 +323,7 @@ async def test_failing_handler_resets_its_stream_only(server_identity, client_id
 
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, handler) as server, Transport(client_identity) as client:
-            address = (HOST, server.listen_port)
+            address = Address(HOST, server.listen_port)
             stream = await client.open_stream(server_identity.peer_id, address, "/boom")
             with pytest.raises(StreamReset) as reset:
                 await stream.receive_message()
@@ -337,7 +338,7 @@ async def test_redials_after_the_server_restarts(server_identity, client_identit
         async with Transport(client_identity) as client:
             async with serving(server_identity, echo) as server:
                 port = server.listen_port
-                address = (HOST, port)
+                address = Address(HOST, port)
                 assert await client.request(server_identity.peer_id, address, "/e", b"1") == b"1"
                 first = client._outbound[server_identity.peer_id]
             # The server is gone: its end of the connection was closed.
@@ -354,7 +355,7 @@ async def test_redials_after_the_server_restarts(server_identity, client_identit
 async def test_redials_after_the_connection_is_killed(server_identity, client_identity):
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(server_identity, echo) as server, Transport(client_identity) as client:
-            address = (HOST, server.listen_port)
+            address = Address(HOST, server.listen_port)
             assert await client.request(server_identity.peer_id, address, "/e", b"1") == b"1"
             first = client._outbound[server_identity.peer_id]
             stream = await client.open_stream(server_identity.peer_id, address, "/e")

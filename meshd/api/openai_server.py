@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from meshd.address import Address
 from meshd.api.backend import (
     ChatBackend,
     Finished,
@@ -333,28 +334,26 @@ def build_app(backend: ChatBackend, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
 
 async def serve_api(
     backend: ChatBackend,
-    host: str = "127.0.0.1",
-    port: int = 0,
+    listen: Address | str = "127.0.0.1:0",
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API until cancelled; reports the bound port (useful with ``port=0``) once listening."""
+    """Serve the API until cancelled; reports the bound port (useful with port 0) once listening."""
     app = build_app(backend, max_body_bytes=max_body_bytes)
-    await serve_asgi(app, host, port, "meshd.api.http", task_status=task_status)
+    await serve_asgi(app, listen, "meshd.api.http", task_status=task_status)
 
 
 async def serve_asgi(
     app: Callable[..., Awaitable[None]],
-    host: str,
-    port: int,
+    listen: Address | str,
     log_name: str,
     *,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app with hypercorn's Trio worker until cancelled; reports the bound port."""
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [str(Address.coerce(listen))]
     config.accesslog = None
     config.graceful_timeout = 1.0
     config.errorlog = logging.getLogger(log_name)

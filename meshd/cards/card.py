@@ -12,10 +12,9 @@ import enum
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
-from nacl.signing import SigningKey
 
-from meshd.cards.keys import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, peer_id_from_public_key, sign, signature_valid
-from meshd.errors import MeshError
+from meshd.errors import ErrorCode, MeshError
+from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.wire import card_pb2 as pb
 
 
@@ -30,7 +29,7 @@ class RejectReason(enum.StrEnum):
 class CardRejected(MeshError):
     """A card failed verification; ``reason`` says which check refused it."""
 
-    code = "card_rejected"
+    code = ErrorCode.CARD_REJECTED
 
     def __init__(self, reason: RejectReason, detail: str = "") -> None:
         super().__init__(f"card rejected: {reason.value}" + (f" ({detail})" if detail else ""))
@@ -57,10 +56,10 @@ class Card:
         return self.card.expires_at_ms
 
 
-def sign_card(card: pb.CapabilityCard, signing_key: SigningKey) -> pb.SignedCard:
+def sign_card(card: pb.CapabilityCard, identity: Identity) -> pb.SignedCard:
     """Serialize once and sign those exact bytes; receivers verify the bytes, not a re-encoding."""
     payload = card.SerializeToString(deterministic=True)
-    return pb.SignedCard(card=payload, signature=sign(signing_key, payload))
+    return pb.SignedCard(card=payload, signature=identity.sign(payload))
 
 
 def _parse_signed(signed: pb.SignedCard | bytes) -> pb.SignedCard:
@@ -88,7 +87,7 @@ def verify_card(signed: pb.SignedCard | bytes, now_ms: int, known_sequence: int 
         raise CardRejected(RejectReason.MALFORMED, "expires before it was issued")
     if peer_id_from_public_key(card.public_key) != card.peer_id:
         raise CardRejected(RejectReason.KEY_MISMATCH, card.peer_id)
-    if not signature_valid(card.public_key, signed.card, signed.signature):
+    if not verify(card.public_key, signed.card, signed.signature):
         raise CardRejected(RejectReason.BAD_SIGNATURE, card.peer_id)
     if card.expires_at_ms <= now_ms:
         raise CardRejected(RejectReason.EXPIRED, f"{card.peer_id} expired at {card.expires_at_ms}")
@@ -175,11 +174,11 @@ class CardIssuer:
     fills in; callers update the template (load, models, addresses) and issue again.
     """
 
-    def __init__(self, signing_key: SigningKey, template: pb.CapabilityCard | None = None,
+    def __init__(self, identity: Identity, template: pb.CapabilityCard | None = None,
                  ttl_ms: int = 10 * 60 * 1000, sequence: int = 0) -> None:
-        self.signing_key = signing_key
-        self.public_key = bytes(signing_key.verify_key)
-        self.peer_id = peer_id_from_public_key(self.public_key)
+        self.identity = identity
+        self.public_key = identity.public_key
+        self.peer_id = identity.peer_id
         self.template = template if template is not None else pb.CapabilityCard()
         self.ttl_ms = ttl_ms
         self.sequence = sequence
@@ -194,4 +193,4 @@ class CardIssuer:
         card.sequence = self.sequence
         card.issued_at_ms = now_ms
         card.expires_at_ms = now_ms + self.ttl_ms
-        return sign_card(card, self.signing_key)
+        return sign_card(card, self.identity)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshd.address import Address
 from meshd.settings import layered_settings, parse_size
 
 
@@ -71,11 +72,20 @@ class PeerConfig:
         return self.advertise or self.listen
 
 
+def _address(value: str) -> str:
+    return str(Address.parse(value)) if value else ""
+
+
+def _addresses(values: list[str] | None) -> list[str]:
+    return [_address(v) for v in values or []]
+
+
 _CONVERTERS: dict[str, Any] = {
+    "listen": _address, "advertise": _address, "api": _address, "control": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
-    "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": lambda v: list(v) if v else [],
-    "relays": lambda v: list(v) if v else [], "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
+    "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": _addresses,
+    "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
 }
 

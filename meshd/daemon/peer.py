@@ -21,17 +21,17 @@ from pathlib import Path
 
 import psutil
 import trio
-from nacl.signing import SigningKey
 
 from meshd import __version__
+from meshd.address import Address
 from meshd.api.openai_server import build_app, serve_asgi
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
 from meshd.daemon.reachability import DIALBACK_PATH, Reachability, dial_address, relayed_through
 from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged
+from meshd.files import write_atomically
 from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
-from meshd.gossip.events import Address as SeedAddress
 from meshd.identity import Identity
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo, compat_key_of, describe_model, read_small_files, tokenizer_digest_of
@@ -60,7 +60,6 @@ class Peer:
         self.config = config
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(config.data_dir)
-        self.signing_key = SigningKey(self.identity.seed)
         self.peer_id = self.identity.peer_id
         self.started_at = time.time()
         self.model: ModelInfo | None = None
@@ -77,8 +76,8 @@ class Peer:
                                self.model.compat_key if self.model else None,
                                AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue),
                                compression=config.compression)
-        self.gossip = GossipNode.with_key(
-            self.signing_key, self._card_template(),
+        self.gossip = GossipNode.with_identity(
+            self.identity, self._card_template(),
             GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
                          suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s),
             rng=random.Random(),
@@ -91,7 +90,7 @@ class Peer:
             self.peer_id, config.tracker_eligible,
             ElectionConfig(lease_duration=lease, renew_interval=lease / 3, jitter_step=lease / 6,
                            max_jitter=lease / 2),
-            signing_key=self.signing_key,
+            identity=self.identity,
         )
         self.leaving = False
         self.entry_sessions = 0
@@ -260,7 +259,7 @@ class Peer:
             body = json.dumps({"model": model_id, "exclude": sorted(exclude), "keep": sorted(keep)}).encode()
             try:
                 with trio.fail_after(ROUTE_ASK_TIMEOUT_S):
-                    reply = await self.transport.request(tracker, seam.split_address(self._address_of(tracker)),
+                    reply = await self.transport.request(tracker, self._address_of(tracker),
                                                          ROUTE_PATH, body)
                 route = _route_from_json(json.loads(reply))
                 source = f"tracker {tracker[:12]}"
@@ -308,7 +307,7 @@ class Peer:
             try:
                 with trio.fail_after(10):
                     reply = json.loads(await self.transport.request(
-                        peer_id, seam.split_address(address), TOKENIZER_PATH,
+                        peer_id, address, TOKENIZER_PATH,
                         json.dumps({"model": model_id}).encode()))
                 files = {name: base64.b64decode(data) for name, data in reply["files"].items()}
                 got = compat_key_of(reply["architecture"], tokenizer_digest_of(files), reply["weights_digest"])
@@ -425,8 +424,8 @@ class Peer:
                 log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
 
     async def _deliver(self, send: Send) -> None:
-        if isinstance(send.to, SeedAddress):
-            peer_id, address = None, send.to.host_port
+        if isinstance(send.to, Address):
+            peer_id, address = None, str(send.to)
         else:
             peer_id, address = send.to, self._address_of(send.to)
         if address is None:
@@ -434,7 +433,7 @@ class Peer:
         started = time.monotonic()
         try:
             with trio.fail_after(max(1.0, self.config.probe_timeout_s * 2)):
-                await self.transport.request(peer_id, seam.split_address(address), GOSSIP_PATH,
+                await self.transport.request(peer_id, address, GOSSIP_PATH,
                                              send.message.SerializeToString())
         except Exception as exc:
             log.debug("gossip to %s failed: %s", address, exc)
@@ -511,7 +510,7 @@ class Peer:
         body = json.dumps({"model": model_id, "compat_key": compat_key, "start": start, "end": end}).encode()
         try:
             with trio.fail_after(5):
-                reply = json.loads(await self.transport.request(peer_id, seam.split_address(address), PLACE_PATH,
+                reply = json.loads(await self.transport.request(peer_id, address, PLACE_PATH,
                                                                 body))
             if "error" in reply:
                 raise RuntimeError(reply["error"])
@@ -577,18 +576,15 @@ class Peer:
             cfg = self.config
             async with self.transport, trio.open_nursery() as nursery:
                 self._nursery = nursery
-                host, port = seam.split_address(cfg.listen)
-                self.listen_port = await nursery.start(self.transport.serve, host, port, self.handle_stream)
-                if port == 0:
+                self.listen_port = await nursery.start(self.transport.serve, cfg.listen, self.handle_stream)
+                if Address.parse(cfg.listen).port == 0:
                     cfg.advertise = f"{_host(cfg.advertised)}:{self.listen_port}"
                 async with trio.open_nursery() as sessions:
                     self.sessions_nursery = sessions
-                    api_host, api_port = seam.split_address(cfg.api)
-                    self.api_port = await nursery.start(serve_asgi, build_app(MeshBackend(self)), api_host, api_port,
+                    self.api_port = await nursery.start(serve_asgi, build_app(MeshBackend(self)), cfg.api,
                                                         "meshd.api.http")
-                    cfg.api = f"{api_host}:{self.api_port}"
-                    ctl_host, ctl_port = seam.split_address(cfg.control)
-                    self.control_port = await nursery.start(serve_asgi, build_control_app(self), ctl_host, ctl_port,
+                    cfg.api = str(Address.parse(cfg.api).with_port(self.api_port))
+                    self.control_port = await nursery.start(serve_asgi, build_control_app(self), cfg.control,
                                                             "meshd.control.http")
                     self.republish_card()
                     if self.host is not None and cfg.layers is not None:
@@ -597,10 +593,10 @@ class Peer:
                     nursery.start_soon(self._tick_loop)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
                     log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, cfg.advertised,
-                             cfg.api, f"{ctl_host}:{self.control_port}")
+                             cfg.api, Address.parse(cfg.control).with_port(self.control_port))
                     self.ready.set()
                     if cfg.ready_file is not None:
-                        _write_atomically(cfg.ready_file, json.dumps(self.status()))
+                        write_atomically(cfg.ready_file, json.dumps(self.status()))
                     task_status.started(self)
                     await trio.sleep_forever()
         finally:
@@ -615,7 +611,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _host(address: str) -> str:
-    return seam.split_address(address)[0]
+    return Address.parse(address).host_text
 
 
 def _route_to_json(route: Route) -> dict:

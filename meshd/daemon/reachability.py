@@ -26,10 +26,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from meshd.address import Address
 from meshd.daemon.config import PeerConfig
 from meshd.identity import Identity
 from meshd.transport import Transport
-from meshd.transport.relay import RelayRegistration, is_relay
+from meshd.transport.relay import RelayRegistration
 from meshd.transport.websocket import WebSocketStream
 from meshd.wire import card_pb2 as cpb
 
@@ -150,7 +151,7 @@ class Reachability:
     async def serve_dialback(self, sender: str, request: dict) -> bytes:
         """Dial ``request["address"]`` afresh and check that ``sender`` answers there."""
         address = request.get("address")
-        if not isinstance(address, str) or is_relay(address):
+        if not isinstance(address, str) or Address.parse(address).relay:
             raise ValueError("dial-back needs a direct host:port address")
         now = time.monotonic()
         if now - self._asked_at.get(sender, -DIALBACK_MIN_INTERVAL_S) < DIALBACK_MIN_INTERVAL_S:

@@ -26,10 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nacl.signing import SigningKey
-
-from meshd.cards.keys import peer_id_of
 from meshd.election.lease import Lease, LeaseRejected, sign_lease, verify_lease
+from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
 
@@ -74,15 +72,15 @@ def _ms(now: float) -> int:
 
 class Election:
     def __init__(self, self_id: str, eligible: bool, config: ElectionConfig | None = None,
-                 signing_key: SigningKey | None = None) -> None:
-        if eligible and signing_key is None:
-            raise ValueError("an eligible peer needs its signing key to issue leases")
-        if signing_key is not None and peer_id_of(signing_key) != self_id:
-            raise ValueError("signing key does not belong to self_id")
+                 identity: Identity | None = None) -> None:
+        if eligible and identity is None:
+            raise ValueError("an eligible peer needs its identity to sign leases")
+        if identity is not None and identity.peer_id != self_id:
+            raise ValueError("identity does not belong to self_id")
         self.self_id = self_id
         self.eligible = eligible
         self.config = config or ElectionConfig()
-        self._signing_key = signing_key
+        self._identity = identity
         self._leases: dict[str, Lease] = {}
         self.highest_term = 0
         self.rejected = 0
@@ -148,9 +146,9 @@ class Election:
     # -- internals ----------------------------------------------------------------------------
 
     def _issue(self, term: int, now: float) -> BroadcastLease:
-        assert self._signing_key is not None
+        assert self._identity is not None
         now_ms = _ms(now)
-        signed = sign_lease(self._signing_key, term, now_ms, now_ms + _ms(self.config.lease_duration))
+        signed = sign_lease(self._identity, term, now_ms, now_ms + _ms(self.config.lease_duration))
         self._remember(verify_lease(signed))
         self._last_issued = now
         self._vacant_since = None

@@ -8,17 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
-from nacl.signing import SigningKey
 
-from meshd.cards.keys import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, peer_id_from_public_key, sign, signature_valid
-from meshd.errors import MeshError
+from meshd.errors import ErrorCode, MeshError
+from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.wire import card_pb2 as pb
 
 
 class LeaseRejected(MeshError):
     """A lease failed verification (malformed, key not matching peer id, or bad signature)."""
 
-    code = "lease_rejected"
+    code = ErrorCode.LEASE_REJECTED
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"lease rejected: {reason}")
@@ -43,12 +42,11 @@ class Lease:
         return (-self.term, self.peer_id)
 
 
-def sign_lease(signing_key: SigningKey, term: int, issued_at_ms: int, expires_at_ms: int) -> pb.SignedLease:
-    public_key = bytes(signing_key.verify_key)
-    lease = pb.TrackerLease(peer_id=peer_id_from_public_key(public_key), term=term, issued_at_ms=issued_at_ms,
-                            expires_at_ms=expires_at_ms, public_key=public_key)
+def sign_lease(identity: Identity, term: int, issued_at_ms: int, expires_at_ms: int) -> pb.SignedLease:
+    lease = pb.TrackerLease(peer_id=identity.peer_id, term=term, issued_at_ms=issued_at_ms,
+                            expires_at_ms=expires_at_ms, public_key=identity.public_key)
     payload = lease.SerializeToString(deterministic=True)
-    return pb.SignedLease(lease=payload, signature=sign(signing_key, payload))
+    return pb.SignedLease(lease=payload, signature=identity.sign(payload))
 
 
 def verify_lease(signed: pb.SignedLease | bytes) -> Lease:
@@ -70,7 +68,7 @@ def verify_lease(signed: pb.SignedLease | bytes) -> Lease:
         raise LeaseRejected("malformed")
     if peer_id_from_public_key(lease.public_key) != lease.peer_id:
         raise LeaseRejected("key_mismatch")
-    if not signature_valid(lease.public_key, signed.lease, signed.signature):
+    if not verify(lease.public_key, signed.lease, signed.signature):
         raise LeaseRejected("bad_signature")
     return Lease(peer_id=lease.peer_id, term=lease.term, issued_at_ms=lease.issued_at_ms,
                  expires_at_ms=lease.expires_at_ms,

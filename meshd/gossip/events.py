@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from meshd.address import Address
 from meshd.wire import card_pb2 as pb
 
 
@@ -16,15 +17,9 @@ class MemberState(enum.IntEnum):
 
 
 @dataclass(frozen=True)
-class Address:
-    """A "host:port" to dial when no peer id is known yet (seeds)."""
-
-    host_port: str
-
-
-@dataclass(frozen=True)
 class Send:
-    """Deliver ``message`` to a peer (by id; the host resolves it from the peer's card) or an address."""
+    """Deliver ``message`` to a peer (by id; the host resolves it from the peer's card) or to a seed's
+    address, when no peer id is known there yet."""
 
     to: str | Address
     message: pb.GossipMessage

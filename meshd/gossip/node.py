@@ -32,11 +32,11 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from nacl.signing import SigningKey
-
+from meshd.address import Address
 from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectReason, peek_peer_id, verify_card
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
-from meshd.gossip.events import Action, Address, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip.events import Action, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
 log = logging.getLogger("meshd.gossip")
@@ -122,7 +122,7 @@ class GossipNode:
         self.store = CardStore()
         self.rejected_cards: Counter[RejectReason] = Counter()  # stale echoes count as REPLAYED
         self._members: dict[str, Member] = {}
-        self._seeds: list[str] = []
+        self._seeds: list[Address] = []
         self._left = False
         self._seq = 0
         self._probe: _Probe | None = None
@@ -138,10 +138,10 @@ class GossipNode:
         self._verified_leases: dict[bytes, Lease] = {}
 
     @classmethod
-    def with_key(cls, signing_key: SigningKey, template: pb.CapabilityCard | None = None,
+    def with_identity(cls, identity: Identity, template: pb.CapabilityCard | None = None,
                  config: GossipConfig | None = None, rng: random.Random | None = None,
                  card_ttl_ms: int = 10 * 60 * 1000) -> GossipNode:
-        issuer = CardIssuer(signing_key, template, ttl_ms=card_ttl_ms)
+        issuer = CardIssuer(identity, template, ttl_ms=card_ttl_ms)
         return cls(issuer.peer_id, config, rng, issuer)
 
     # -- views --------------------------------------------------------------------------------
@@ -167,8 +167,9 @@ class GossipNode:
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def add_seed(self, address: str) -> None:
+    def add_seed(self, address: Address | str) -> None:
         """Dial this address with a push-pull while the node knows no live member."""
+        address = Address.coerce(address)
         if address not in self._seeds:
             self._seeds.append(address)
 
@@ -248,7 +249,7 @@ class GossipNode:
         if self._seeds and not self._probeable() and now >= self._next_seed_at:
             self._next_seed_at = now + self.config.seed_retry_interval
             for address in self._seeds:
-                actions.append(self._send(Address(address), self._push_pull_request()))
+                actions.append(self._send(address, self._push_pull_request()))
         return actions
 
     # -- failure detection ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 import nacl.exceptions
 import nacl.signing
 
-from meshd.errors import MeshError
+from meshd.errors import ErrorCode, MeshError
 
 KEY_FILE_NAME = "identity.key"
 PUBLIC_KEY_BYTES = 32
@@ -27,7 +27,7 @@ _PEER_ID_DIGEST_BYTES = 20
 class IdentityError(MeshError):
     """The identity key file is missing, malformed or not private to its owner."""
 
-    code = "bad_identity"
+    code = ErrorCode.BAD_IDENTITY
 
 
 def peer_id_from_public_key(public_key: bytes) -> str:
@@ -62,6 +62,13 @@ class Identity:
         self._signing_key = signing_key
         self.public_key: bytes = signing_key.verify_key.encode()
         self.peer_id: str = peer_id_from_public_key(self.public_key)
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """The identity of a 32-byte seed (tests and simulations derive many from fixed seeds)."""
+        if len(seed) != SEED_BYTES:
+            raise IdentityError(f"a seed is {SEED_BYTES} bytes, got {len(seed)}")
+        return cls(nacl.signing.SigningKey(bytes(seed)))
 
     @classmethod
     def generate(cls) -> Identity:

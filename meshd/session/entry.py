@@ -155,7 +155,7 @@ async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str], sink: t
 
 async def _dial(transport, hop: pb.HopAddress, path: str):
     try:
-        return await transport.open_stream(hop.peer_id, m.split_address(hop.address), path)
+        return await transport.open_stream(hop.peer_id, hop.address, path)
     except Exception as exc:
         raise SessionFailed("unreachable", f"cannot reach {hop.address}: {exc}", hop.peer_id) from exc
 

@@ -192,7 +192,7 @@ class HopService:
                 if not resumed:  # what follows gets recomputed inputs: nothing downstream may resume
                     forwarded.unchanged_prefix = min(forwarded.unchanged_prefix, open_.hop_index)
                 try:
-                    downstream = await self.transport.open_stream(nxt.peer_id, m.split_address(nxt.address),
+                    downstream = await self.transport.open_stream(nxt.peer_id, nxt.address,
                                                                   m.SEAM_PATH)
                     await downstream.send_message(m.open_msg(forwarded))
                 except Exception as exc:

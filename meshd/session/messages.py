@@ -50,13 +50,6 @@ def open_msg(open_: pb.SessionOpen) -> bytes:
     return pb.SeamMessage(open=open_).SerializeToString()
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}; expected host:port")
-    return host.strip("[]"), int(port)
-
-
 async def finish_stream(stream, last_message: bytes | None = None, linger_s: float = 1.0) -> None:
     """End a stream we opened without aborting it: send ``last_message``, half-close, give the peer
     ``linger_s`` to end its side (so it reads everything first), then close. Never raises; runs

@@ -8,14 +8,14 @@ sequence of length-prefixed messages, so one long-lived stream can carry a whole
 Public API::
 
     async with Transport(identity, config=None, **TransportConfig fields) as transport:
-        port = await nursery.start(transport.serve, host, port, handler)   # also transport.listen_port
-        stream = await transport.open_stream(peer_id | None, (host, port), path, headers=None)
-        reply = await transport.request(peer_id | None, (host, port), path, body, timeout=30.0)
+        port = await nursery.start(transport.serve, "HOST:PORT", handler)   # also transport.listen_port
+        stream = await transport.open_stream(peer_id | None, address, path, headers=None)
+        reply = await transport.request(peer_id | None, address, path, body, timeout=30.0)
         await transport.accept_stream(byte_stream, handler, remote)   # inbound link on any trio Stream
 
-    An address is direct ``(host, port)`` or a relay address ``("relay:RELAYHOST", port)`` (text
-    ``relay:HOST:PORT``; see ``meshd.transport.relay``): the same TLS, client authentication and
-    HTTP/2 then run through a ``meshd-relay`` inside WebSockets, end to end.
+    An address is a :class:`meshd.address.Address` or its text: direct ``HOST:PORT`` or a relay
+    address ``relay:HOST:PORT`` (see ``meshd.transport.relay``): the same TLS, client authentication
+    and HTTP/2 then run through a ``meshd-relay`` inside WebSockets, end to end.
 
     async def handler(stream: Stream) -> None      # one task per incoming stream
         stream.path, stream.headers, stream.peer_id (proven remote id)
@@ -28,6 +28,7 @@ Public API::
 Errors: ``TransportError`` (base), ``PeerAuthError``, ``StreamReset(error_code, reason)``,
 ``FramingError`` and ``MessageTooLarge`` (the offending stream is reset, the connection lives on).
 The sans-IO pieces are ``framing.MessageDecoder`` and ``auth``; ``connection`` adapts ``h2``.
+The planes above depend only on the protocols of ``streams`` (``MessageStream``, ``StreamOpener``).
 """
 
 from h2.errors import ErrorCodes
@@ -36,19 +37,22 @@ from meshd.transport.config import TransportConfig
 from meshd.transport.connection import Connection, Handler, Stream
 from meshd.transport.errors import FramingError, MessageTooLarge, PeerAuthError, StreamReset, TransportError
 from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES, MessageDecoder, encode_message
-from meshd.transport.transport import Address, Transport
+from meshd.transport.streams import MessageStream, StreamHandler, StreamOpener
+from meshd.transport.transport import Transport
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
-    "Address",
     "Connection",
     "ErrorCodes",
     "FramingError",
     "Handler",
     "MessageDecoder",
+    "MessageStream",
     "MessageTooLarge",
     "PeerAuthError",
     "Stream",
+    "StreamHandler",
+    "StreamOpener",
     "StreamReset",
     "Transport",
     "TransportConfig",

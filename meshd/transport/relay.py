@@ -21,9 +21,8 @@ and consumed by the first registration that names it; a captured registration is
 worthless anywhere else (``replayed_challenge``). Refusals close the WebSocket with a code from
 ``CLOSE_CODES`` and the reason as the close text.
 
-Addresses: a direct address is ``(host, port)``; a relay address is the same tuple with the host
-written ``relay:<relay host>`` (from the text ``relay:HOST:PORT``), so code that carries addresses
-around as ``host:port`` strings needs no second case. ``Transport`` dials either.
+Addresses: a peer reachable through a relay advertises ``relay:HOST:PORT``, the relay's own address
+marked as a relay (:class:`meshd.address.Address` with ``relay=True``). ``Transport`` dials either.
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ from dataclasses import dataclass
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, connect_websocket
 
+from meshd.address import Address, relay_address
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.transport.websocket import WebSocketStream, close_description
 
 log = logging.getLogger("meshd.relay.client")
 
-RELAY_PREFIX = "relay:"
 REGISTER_PATH = "/v1/register"
 DIAL_PREFIX = "/v1/dial/"
 ACCEPT_PREFIX = "/v1/accept/"
@@ -53,8 +52,6 @@ NONCE_BYTES = 32
 CIRCUIT_ID_BYTES = 16
 CONTROL_MESSAGE_LIMIT = 4096
 DATA_RECEIVE_BUFFER = 64 * 1024
-
-Address = tuple[str, int]
 
 
 class Reason(enum.StrEnum):
@@ -92,27 +89,6 @@ def reason_of_close(code: int | None, text: str) -> str:
     if code in _BY_CODE:
         return _BY_CODE[code].value
     return text or f"closed ({code})"
-
-
-# -- addresses -------------------------------------------------------------------------------------
-
-
-def relay_address(relay_host_port: str) -> str:
-    """``"host:port"`` of a relay -> the text a card carries for a peer reachable through it."""
-    return relay_host_port if relay_host_port.startswith(RELAY_PREFIX) else RELAY_PREFIX + relay_host_port
-
-
-def is_relay(address: Address | str) -> bool:
-    host = address if isinstance(address, str) else address[0]
-    return host.startswith(RELAY_PREFIX)
-
-
-def relay_endpoint(address: Address | str) -> Address:
-    """Where to reach the relay named by a relay address (tuple or ``relay:HOST:PORT`` text)."""
-    if isinstance(address, str):
-        host, _, port = address.removeprefix(RELAY_PREFIX).rpartition(":")
-        return host.strip("[]"), int(port)
-    return address[0].removeprefix(RELAY_PREFIX).strip("[]"), int(address[1])
 
 
 # -- the registration protocol (sans-IO) -----------------------------------------------------------
@@ -198,8 +174,8 @@ def read_registration(doc: dict) -> Registration:
 
 async def dial(nursery: trio.Nursery, relay: Address, peer_id: str, *, max_chunk: int) -> WebSocketStream:
     """A byte stream to ``peer_id`` through a relay; the WebSocket's reader task runs in ``nursery``."""
-    host, port = relay_endpoint(relay)
-    ws = await connect_websocket(nursery, host, port, DIAL_PREFIX + peer_id, use_ssl=False,
+    endpoint = relay.endpoint
+    ws = await connect_websocket(nursery, endpoint.host, endpoint.port, DIAL_PREFIX + peer_id, use_ssl=False,
                                  receive_buffer_size=DATA_RECEIVE_BUFFER)
     return WebSocketStream(ws, max_chunk=max_chunk)
 
@@ -215,12 +191,12 @@ class RelayRegistration:
     ``on_change`` is called whenever ``registered`` flips, so the peer can re-issue its card.
     """
 
-    def __init__(self, identity: Identity, relay: str, on_circuit: CircuitHandler,
+    def __init__(self, identity: Identity, relay: Address | str, on_circuit: CircuitHandler,
                  on_change: Callable[[], None] | None = None, *, backoff_initial: float = 0.25,
                  backoff_max: float = 8.0, keepalive_s: float = 10.0, max_chunk: int = 64 * 1024) -> None:
         self.identity = identity
-        self.relay = relay_endpoint(relay)
-        self.address = relay_address(relay)
+        self.relay = Address.coerce(relay).endpoint
+        self.address = str(relay_address(self.relay))  # what the card advertises while registered
         self.on_circuit = on_circuit
         self.on_change = on_change
         self.backoff_initial = backoff_initial
@@ -255,12 +231,12 @@ class RelayRegistration:
                 self._set_registered(False)
                 if self.registrations > before:
                     backoff = self.backoff_initial
-                log.info("relay %s:%d: not registered (%s); retrying in %.2fs", *self.relay, self.last_error, backoff)
+                log.info("relay %s: not registered (%s); retrying in %.2fs", self.relay, self.last_error, backoff)
                 await trio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self.backoff_max)
 
     async def _session(self, nursery: trio.Nursery) -> None:
-        host, port = self.relay
+        host, port = self.relay.host, self.relay.port
         with trio.fail_after(10):
             ws = await connect_websocket(nursery, host, port, REGISTER_PATH, use_ssl=False)
         try:
@@ -273,7 +249,7 @@ class RelayRegistration:
                 raise RelayRejected(Reason.MALFORMED, "relay registered another peer id")
             self.registrations += 1
             self._set_registered(True)
-            log.info("registered with relay %s:%d", host, port)
+            log.info("registered with relay %s", self.relay)
             while True:
                 message = None
                 with trio.move_on_after(self.keepalive_s):
@@ -291,17 +267,17 @@ class RelayRegistration:
 
     async def _accept_circuit(self, circuit_id: str) -> None:
         assert self._nursery is not None
-        host, port = self.relay
         try:
             with trio.fail_after(10):
-                ws = await connect_websocket(self._nursery, host, port, ACCEPT_PREFIX + circuit_id, use_ssl=False,
+                ws = await connect_websocket(self._nursery, self.relay.host, self.relay.port,
+                                             ACCEPT_PREFIX + circuit_id, use_ssl=False,
                                              receive_buffer_size=DATA_RECEIVE_BUFFER)
         except (OSError, HandshakeError, trio.TooSlowError) as exc:
-            log.warning("relay %s:%d: cannot accept circuit %s: %s", host, port, circuit_id[:8], exc)
+            log.warning("relay %s: cannot accept circuit %s: %s", self.relay, circuit_id[:8], exc)
             return
         stream = WebSocketStream(ws, max_chunk=self.max_chunk)
         try:
-            await self.on_circuit(stream, f"relay {host}:{port} circuit {circuit_id[:8]}")
+            await self.on_circuit(stream, f"relay {self.relay} circuit {circuit_id[:8]}")
         finally:
             await trio.aclose_forcefully(stream)
 

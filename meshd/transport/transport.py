@@ -17,20 +17,16 @@ from typing import Any
 import trio
 from trio_websocket import HandshakeError
 
+from meshd.address import Address, AddressError
 from meshd.identity import Identity
 from meshd.transport.config import TransportConfig
 from meshd.transport.connection import Connection, Handler, Stream
 from meshd.transport.errors import PeerAuthError, TransportError
 from meshd.transport.handshake import client_handshake, server_handshake
 from meshd.transport.relay import dial as relay_dial
-from meshd.transport.relay import is_relay, relay_endpoint
 from meshd.transport.tls import Certificate, client_context, make_certificate, server_context
 
 logger = logging.getLogger("meshd.transport")
-
-Address = tuple[str, int]
-"""``(host, port)``; a relay address has the host ``relay:<relay host>`` (see ``meshd.transport.relay``)."""
-
 
 class Transport:
     """This peer's end of the mesh transport.
@@ -47,7 +43,7 @@ class Transport:
         self._client_context = client_context()
         self._certificate: Certificate | None = None
         self._server_context: ssl.SSLContext | None = None
-        self._outbound: dict[str | Address, Connection] = {}
+        self._outbound: dict[str | Address, Connection] = {}  # by peer id, or by address when dialled unnamed
         self._outbound_via: dict[str | Address, Address] = {}
         self._dial_locks: dict[str | Address, trio.Lock] = {}
         self._inbound: set[Connection] = set()
@@ -85,8 +81,7 @@ class Transport:
 
     async def serve(
         self,
-        listen_host: str,
-        listen_port: int,
+        listen: Address | str,
         handler: Handler,
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
@@ -95,10 +90,11 @@ class Transport:
 
         Reports the bound port (useful with port 0) through ``task_status`` and ``listen_port``.
         """
+        listen = Address.coerce(listen)
         certificate, context = self._server_identity()
-        listeners = await trio.open_tcp_listeners(listen_port, host=listen_host)
+        listeners = await trio.open_tcp_listeners(listen.port, host=listen.host)
         self.listen_port = listeners[0].socket.getsockname()[1]
-        logger.info("serving peer transport on %s:%d as %s", listen_host, self.listen_port, self.identity.peer_id)
+        logger.info("serving peer transport on %s as %s", listen.with_port(self.listen_port), self.identity.peer_id)
         with trio.CancelScope() as scope:
             self._serve_scopes.add(scope)
             try:
@@ -202,8 +198,11 @@ class Transport:
     async def _connection(self, peer_id: str | None, address: Address | str) -> Connection:
         if self._nursery is None or self._closed:
             raise TransportError("the transport is not open; use `async with Transport(...)`")
-        address = _as_address(address)
-        if is_relay(address) and peer_id is None:
+        try:
+            address = Address.coerce(address)
+        except AddressError as exc:
+            raise TransportError(str(exc)) from None
+        if address.relay and peer_id is None:
             raise TransportError("a relay can only be dialled for a named peer id")
         key: str | Address = peer_id if peer_id is not None else address
         lock = self._dial_locks.setdefault(key, trio.Lock())
@@ -211,7 +210,7 @@ class Transport:
             connection = self._outbound.get(key)
             if connection is not None and connection.is_alive:
                 via = self._outbound_via.get(key)
-                if not (via is not None and is_relay(via) and not is_relay(address)):
+                if not (via is not None and via.relay and not address.relay):
                     return connection
                 # The peer became directly dialable: new streams go direct; the relayed connection
                 # finishes the streams it carries, then closes.
@@ -230,7 +229,7 @@ class Transport:
         if connection is None or not connection.is_alive:
             return None
         via = self._outbound_via.get(peer_id)
-        return "relay" if via is not None and is_relay(via) else "direct"
+        return "relay" if via is not None and via.relay else "direct"
 
     async def check_dialable(self, peer_id: str, address: Address | str, timeout: float = 5.0) -> str | None:
         """Dial ``address`` afresh (no pooled connection) expecting ``peer_id``, then hang up.
@@ -240,41 +239,39 @@ class Transport:
         """
         try:
             with trio.fail_after(timeout):
-                connection = await self._dial(peer_id, _as_address(address))
-        except (TransportError, trio.TooSlowError) as exc:
+                connection = await self._dial(peer_id, Address.coerce(address))
+        except (TransportError, AddressError, trio.TooSlowError) as exc:
             return str(exc) or type(exc).__name__
         await connection.aclose()
         return None
 
     async def _dial(self, peer_id: str | None, address: Address) -> Connection:
         assert self._nursery is not None
-        host, port = address
         tcp: trio.abc.Stream | None = None
         try:
             with trio.fail_after(self.config.connect_timeout):
-                if is_relay(address):
+                if address.relay:
                     assert peer_id is not None
-                    tcp = await relay_dial(self._nursery, relay_endpoint(address), peer_id,
-                                           max_chunk=self.config.relay_chunk_bytes)
+                    tcp = await relay_dial(self._nursery, address, peer_id, max_chunk=self.config.relay_chunk_bytes)
                 else:
-                    tcp = await trio.open_tcp_stream(host, port)
+                    tcp = await trio.open_tcp_stream(address.host, address.port)
                 stream, proven_id = await client_handshake(tcp, self._client_context, self.identity, peer_id)
         except trio.TooSlowError as exc:
             await _abort(tcp)
-            raise TransportError(f"dialling {host}:{port} timed out after {self.config.connect_timeout}s") from exc
+            raise TransportError(f"dialling {address} timed out after {self.config.connect_timeout}s") from exc
         except PeerAuthError as exc:
             await _abort(tcp)
-            logger.warning("refused peer at %s:%d: %s", host, port, exc)
+            logger.warning("refused peer at %s: %s", address, exc)
             raise
         except (OSError, HandshakeError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await _abort(tcp)
-            raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
         except TransportError:
             await _abort(tcp)
             raise
         connection = Connection(stream, client_side=True, peer_id=proven_id, config=self.config)
         await self._nursery.start(connection.run)
-        logger.debug("connected to peer %s at %s:%d", proven_id, host, port)
+        logger.debug("connected to peer %s at %s", proven_id, address)
         return connection
 
     async def aclose(self) -> None:
@@ -288,15 +285,6 @@ class Transport:
         async with trio.open_nursery() as nursery:
             for connection in connections:
                 nursery.start_soon(connection.aclose)
-
-
-def _as_address(address: Address | str) -> Address:
-    if isinstance(address, str):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise TransportError(f"bad address {address!r}; expected host:port or relay:host:port")
-        return host, int(port)
-    return address[0], int(address[1])
 
 
 async def _retire(connection: Connection) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
 
 import trio
 
+from meshd.cli.signals import run_until_signalled
 from meshd_relay.config import RelayConfig, load_config
 from meshd_relay.server import RelayServer
 
@@ -78,19 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     configure_logging(config)
 
-    async def run() -> None:
-        server = RelayServer(config)
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                await nursery.start(server.serve)
-                async for signum in signals:
-                    logging.getLogger("meshd.relay").info(
-                        "stopping", extra={"fields": {"signal": signal.Signals(signum).name}})
-                    nursery.cancel_scope.cancel()
-                    break
-
+    server = RelayServer(config)
     try:
-        trio.run(run)
+        trio.run(run_until_signalled, server.serve, logging.getLogger("meshd.relay"))
     except OSError as exc:
         logging.getLogger("meshd.relay").error("relay stopped", extra={"fields": {"error": str(exc)}})
         sys.exit(1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshd.address import Address
 from meshd.settings import layered_settings, parse_size
 
 
@@ -44,6 +45,7 @@ class RelayConfig:
 
 
 _CONVERTERS: dict[str, Any] = {
+    "listen": lambda v: str(Address.parse(v)), "metrics": lambda v: str(Address.parse(v)) if v else "",
     "bandwidth_bytes_per_s": parse_size, "bandwidth_burst_bytes": parse_size, "max_message_bytes": parse_size,
     "ready_file": lambda v: Path(v) if v else None,
     "allow_peers": lambda v: [p.strip() for p in (v.split(",") if isinstance(v, str) else v) if p.strip()],

@@ -20,11 +20,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
+from meshd.address import Address
+from meshd.files import write_atomically
 from meshd.transport.relay import (
     ACCEPT_PREFIX,
     CLOSE_CODES,
@@ -70,13 +71,6 @@ class _Circuit:
     done: trio.Event = field(default_factory=trio.Event)
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}; expected host:port")
-    return host.strip("[]"), int(port)
-
-
 class RelayServer:
     """``await nursery.start(server.serve)`` returns once listening; ``port`` and ``metrics_port`` say where.
 
@@ -101,11 +95,11 @@ class RelayServer:
 
     async def serve(self, *, task_status: trio.TaskStatus[RelayServer] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        host, port = _split(cfg.listen)
+        listen = Address.parse(cfg.listen)
         async with trio.open_nursery() as nursery:
             server = await nursery.start(
                 lambda task_status: serve_websocket(
-                    self._handle, host, port, None, handler_nursery=nursery,
+                    self._handle, listen.host, listen.port, None, handler_nursery=nursery,
                     max_message_size=cfg.max_message_bytes, receive_buffer_size=64 * 1024,
                     connect_timeout=cfg.handshake_timeout_s, task_status=task_status))
             self.port = server.port
@@ -114,13 +108,13 @@ class RelayServer:
 
                 from meshd.api.openai_server import serve_asgi
 
-                m_host, m_port = _split(cfg.metrics)
+                metrics = Address.parse(cfg.metrics)
                 app = _with_lifespan(make_asgi_app(self.metrics.registry))
-                self.metrics_port = await nursery.start(serve_asgi, app, m_host, m_port, "meshd.relay.metrics")
-            _event("info", "relay listening", listen=f"{host}:{self.port}",
-                   metrics=f"{_split(cfg.metrics)[0]}:{self.metrics_port}" if cfg.metrics else None)
+                self.metrics_port = await nursery.start(serve_asgi, app, metrics, "meshd.relay.metrics")
+            _event("info", "relay listening", listen=str(listen.with_port(self.port)),
+                   metrics=str(Address.parse(cfg.metrics).with_port(self.metrics_port)) if cfg.metrics else None)
             if cfg.ready_file is not None:
-                _write_atomically(cfg.ready_file, json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
+                write_atomically(cfg.ready_file, json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
             task_status.started(self)
 
     # -- dispatch ----------------------------------------------------------------------------------
@@ -367,8 +361,3 @@ def _with_lifespan(app):
 def _event(level: str, message: str, **fields: object) -> None:
     log.log(logging.getLevelName(level.upper()), message, extra={"fields": fields})
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
