@@ -25,7 +25,7 @@ def test_addresses_parse_and_print_back(text, host, port, relay):
 @pytest.mark.parametrize("text", ["", "7700", "host", "host:", ":7700", "host:port", "127.0.0.1:99999",
                                   "::1:7700", "[::1]7700", "[::1", "host:-1", "relay:", "a b:1"])
 def test_malformed_addresses_are_refused_with_the_reason(text):
-    with pytest.raises(AddressError, match="address|host|port"):
+    with pytest.raises(AddressError, match=r"address|host|port"):
         Address.parse(text)
 
 
