@@ -20,9 +20,12 @@ from openai import OpenAI
 from meshd.cards import sign_card
 from meshd.daemon.local_mesh import LocalMesh, budgets_for_split
 from meshd.identity import Identity, peer_id_from_public_key
+from meshd.rpc import RPC_PATH
+from meshd.rpc import call as rpc_call
 from meshd.session.messages import SEAM_PATH
 from meshd.transport import PeerAuthError, Transport
 from meshd.wire import card_pb2 as cpb
+from meshd.wire import rpc_pb2 as rpb
 from tests.helpers import chat_reference
 
 pytestmark = pytest.mark.slow
@@ -131,6 +134,11 @@ def test_api_bad_input_gets_openai_errors_and_the_daemon_keeps_serving(mesh, ref
     assert chat(mesh.peers[0], stream=False)[0] == reference
 
 
+async def gossip(transport: Transport, target, message: cpb.GossipMessage) -> None:
+    reply = await rpc_call(transport, target.peer_id, target.listen, rpb.PeerRequest(gossip=message), timeout=10)
+    assert reply.WhichOneof("body") == "accepted"
+
+
 async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     target = mesh.peers[0]
     before = {(r["peer_id"], r["sequence"]) for r in target.get("/peers")["peers"]}
@@ -149,17 +157,14 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     bad_signature.signature = bytes(64)
     forged = [bad_signature, card(3, now - 1000), card(9, now + 60_000, peer_id=mesh.peers[1].peer_id)]
     async with Transport(key) as transport:
-        address = target.listen
         for signed in forged:
-            msg = cpb.GossipMessage(cards=[signed])
-            await transport.request(target.peer_id, address, "/meshd/gossip", msg.SerializeToString())
+            await gossip(transport, target, cpb.GossipMessage(cards=[signed]))
         after_forged = {(r["peer_id"], r["sequence"]) for r in target.get("/peers")["peers"]}
         assert {p for p in after_forged if p[0] == me} == set()
         assert {p for p in after_forged if p[0] != me} >= {p for p in before if p[0] != me}
         # a good card, then an older one: the replay is refused, the newer card stays
         for signed in (card(5, now + 60_000), card(4, now + 60_000)):
-            await transport.request(target.peer_id, address, "/meshd/gossip",
-                                    cpb.GossipMessage(cards=[signed]).SerializeToString())
+            await gossip(transport, target, cpb.GossipMessage(cards=[signed]))
     rows = {r["peer_id"]: r["sequence"] for r in target.get("/peers")["peers"]}
     assert rows.get(me) == 5
     rejected = target.get("/status")["rejected_cards"]
@@ -172,8 +177,7 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
 async def test_tls_peer_claiming_another_identity_is_refused(mesh):
     async with Transport(Identity.generate()) as transport:
         with pytest.raises(PeerAuthError):
-            await transport.request(mesh.peers[1].peer_id, mesh.peers[0].listen, "/meshd/gossip",
-                                    b"")
+            await transport.request(mesh.peers[1].peer_id, mesh.peers[0].listen, RPC_PATH, b"")
 
 
 async def test_malformed_and_oversized_seam_frames_reset_only_their_stream(mesh, reference):

@@ -358,7 +358,8 @@ async def _serve_in(server: RelayServer, scope: trio.CancelScope) -> None:
 
 def test_dialers_prefer_direct_addresses_and_cards_follow_reachability(tmp_path):
     from meshd.daemon.config import PeerConfig
-    from meshd.daemon.reachability import Reachability, dial_address, relayed_through
+    from meshd.daemon.reachability import Reachability
+    from meshd.tracker.view import dial_address, relayed_through
     from meshd.wire import card_pb2 as cpb
 
     both = cpb.CapabilityCard(addresses=["198.51.100.1:7700"], relay_addresses=["relay:192.0.2.5:7800"])
@@ -369,7 +370,8 @@ def test_dialers_prefer_direct_addresses_and_cards_follow_reachability(tmp_path)
 
     def reach(mode: str, relays: list[str]) -> Reachability:
         config = PeerConfig(data_dir=tmp_path, advertise="198.51.100.1:7700", relays=relays, reachability=mode)
-        return Reachability(config, Transport(Identity.generate()), Identity.generate(), on_change=lambda: None)
+        return Reachability(config, Transport(Identity.generate()), Identity.generate(),
+                            advertised=lambda: config.advertised, on_change=lambda: None)
 
     assert reach("direct", ["192.0.2.5:7800"]).direct_addresses() == ["198.51.100.1:7700"]
     assert reach("direct", ["192.0.2.5:7800"]).registrations == []

@@ -122,10 +122,10 @@ def test_session_larger_than_the_whole_budget_is_refused(tiny_model):
 
 
 def test_a_hops_output_cache_keeps_a_batched_row_not_the_whole_batch():
-    from meshd.session.hop import _OutputCache
+    from meshd.session.hop_state import OutputCache
 
     batch = torch.randn(16, 1, 64)  # a batched step's output: each session's row is a view of it
-    cache = _OutputCache()
+    cache = OutputCache()
     cache.append(0, batch[3])
     assert cache.nbytes == 64 * 4
     assert cache.parts[0].untyped_storage().nbytes() == 64 * 4

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from meshd.errors import MeshError
+from meshd.errors import ErrorCode, MeshError
 
 
 class ApiError(MeshError):
@@ -16,7 +16,7 @@ class ApiError(MeshError):
 
     status = 500
     type = "server_error"
-    code = "internal_error"
+    code = ErrorCode.INTERNAL_ERROR
 
     def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -25,7 +25,7 @@ class ApiError(MeshError):
         self.retry_after = retry_after
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code.value}}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
@@ -38,9 +38,9 @@ class BadRequest(ApiError):
 
     status = 400
     type = "invalid_request_error"
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
-    def __init__(self, message: str, param: str | None = None, *, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, code: ErrorCode | None = None) -> None:
         super().__init__(message, param=param)
         if code is not None:
             self.code = code
@@ -51,7 +51,7 @@ class PayloadTooLarge(ApiError):
 
     status = 413
     type = "invalid_request_error"
-    code = "payload_too_large"
+    code = ErrorCode.PAYLOAD_TOO_LARGE
 
 
 class ModelNotFound(ApiError):
@@ -59,7 +59,7 @@ class ModelNotFound(ApiError):
 
     status = 404
     type = "invalid_request_error"
-    code = "model_not_found"
+    code = ErrorCode.MODEL_NOT_FOUND
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model {model!r} does not exist or is not served by this mesh.", param="model")
@@ -75,7 +75,7 @@ class NoRoute(ApiError):
 
     status = 503
     type = "server_error"
-    code = "no_route"
+    code = ErrorCode.NO_ROUTE
 
     def __init__(self, model: str, missing_ranges: list[tuple[int, int]], *, retry_after: float = 5.0) -> None:
         ranges = ", ".join(f"[{start}, {end})" for start, end in missing_ranges) or "unknown"
@@ -91,7 +91,7 @@ class Overloaded(ApiError):
 
     status = 503
     type = "server_error"
-    code = "overloaded"
+    code = ErrorCode.OVERLOADED
 
     def __init__(self, reason: str, *, retry_after: float = 1.0) -> None:
         super().__init__(f"The mesh is overloaded: {reason}", retry_after=retry_after)
@@ -103,7 +103,7 @@ class RouteFailed(ApiError):
 
     status = 503
     type = "server_error"
-    code = "route_failed"
+    code = ErrorCode.ROUTE_FAILED
 
     def __init__(self, cause: str, *, retry_after: float = 2.0) -> None:
         super().__init__(f"The generation failed and could not be repaired: {cause}", retry_after=retry_after)
@@ -114,7 +114,7 @@ class DeadlineExceeded(ApiError):
 
     status = 504
     type = "server_error"
-    code = "deadline_exceeded"
+    code = ErrorCode.DEADLINE_EXCEEDED
 
     def __init__(self, seconds: float) -> None:
         super().__init__(f"The request did not finish within {seconds:g} s.")

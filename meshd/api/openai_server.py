@@ -41,6 +41,7 @@ from meshd.api.backend import (
 from meshd.api.errors import ApiError, BadRequest, InternalError, ModelNotFound, PayloadTooLarge
 from meshd.api.stops import StopMatcher
 from meshd.api.validation import ParsedRequest, decode_json_object, parse_chat, parse_completion
+from meshd.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ def build_app(backend: ChatBackend, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
 
     async def http_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(exc.status_code, ErrorCode.HTTP_ERROR)
         error = BadRequest(str(exc.detail), code=code)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from meshd.api.backend import GenerationRequest, RequestKind
 from meshd.api.errors import BadRequest
+from meshd.errors import ErrorCode
 
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -29,9 +30,9 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise BadRequest(f"The request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
     if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.", code="invalid_type")
+        raise BadRequest("The request body must be a JSON object.", code=ErrorCode.INVALID_TYPE)
     return body
 
 
@@ -182,14 +183,14 @@ def _is_int(value: object) -> bool:
 
 
 def _type_error(param: str, expected: str) -> BadRequest:
-    return BadRequest(f"{param} must be {expected}.", param, code="invalid_type")
+    return BadRequest(f"{param} must be {expected}.", param, code=ErrorCode.INVALID_TYPE)
 
 
 def _value_error(param: str, message: str) -> BadRequest:
-    return BadRequest(message, param, code="invalid_value")
+    return BadRequest(message, param, code=ErrorCode.INVALID_VALUE)
 
 
 def _missing_or_type(param: str, expected: str, body: dict[str, Any]) -> BadRequest:
     if body.get(param) is None:
-        return BadRequest(f"Missing required parameter: {param!r}.", param, code="missing_required_parameter")
+        return BadRequest(f"Missing required parameter: {param!r}.", param, code=ErrorCode.MISSING_PARAMETER)
     return _type_error(param, expected)

@@ -37,11 +37,13 @@ from pathlib import Path
 import trio
 
 from meshd import __version__
-from meshd.daemon.local_mesh import LocalMesh
+from meshd.address import Address, relay_address
+from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, log_tail, wait_for_ready_file
+from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.stats import percentiles
 from meshd.transport import Transport
-from meshd.transport.relay import RelayRegistration, relay_address
+from meshd.transport.relay import RelayRegistration
 
 ECHO_PATH = "/bench/echo"
 ACK_PATH = "/bench/ack"
@@ -75,7 +77,7 @@ async def _serve(stream) -> None:
 
 async def _serve_echo(relay: str, ready: Path) -> None:
     async with Transport(Identity.generate()) as transport, trio.open_nursery() as nursery:
-        port = await nursery.start(transport.serve, "127.0.0.1", 0, _serve)
+        port = await nursery.start(transport.serve, "127.0.0.1:0", _serve)
 
         async def on_circuit(stream, remote: str) -> None:
             await transport.accept_stream(stream, _serve, remote)
@@ -84,14 +86,14 @@ async def _serve_echo(relay: str, ready: Path) -> None:
         nursery.start_soon(registration.run)
         while not registration.registered:
             await trio.sleep(0.02)
-        ready.write_text(json.dumps({"peer_id": transport.identity.peer_id, "port": port}))
+        write_atomically(ready, json.dumps({"peer_id": transport.identity.peer_id, "port": port}))
         await trio.sleep_forever()
 
 
 # -- the measuring side ----------------------------------------------------------------------------
 
 
-async def _measure(peer_id: str, direct: tuple[str, int], relayed: str, sizes: dict[str, int],
+async def _measure(peer_id: str, direct: Address, relayed: Address, sizes: dict[str, int],
                    samples: int) -> dict:
     out: dict[str, dict] = {"direct": {}, "relayed": {}}
     async with Transport(Identity.generate()) as direct_side, Transport(Identity.generate()) as relayed_side:
@@ -132,13 +134,12 @@ class _EchoPeer:
         self.process = subprocess.Popen([sys.executable, "-m", "meshd.bench.relay", "--serve-echo", self.relay,
                                          "--ready", str(ready)], stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"echo peer did not start; see {self.workdir / 'echo.log'}")
-            time.sleep(0.05)
-        return json.loads(ready.read_text())
+        try:
+            return wait_for_ready_file(ready, self.process, 30, "the echo peer",
+                                       lambda: log_tail(self.workdir / "echo.log"))
+        except LocalMeshError:
+            self.__exit__()
+            raise
 
     def __exit__(self, *_exc: object) -> None:
         self.process.terminate()
@@ -152,7 +153,7 @@ def seam_latency(workdir: Path, hidden_size: int, chunk_tokens: int, samples: in
         relay = mesh.start_relay(extra=["--bandwidth", "0"])  # the relay's cost, not an operator's cap
         with _EchoPeer(workdir, relay.address) as info:
             say(f"seam latency: {samples} samples per link and size, sizes {sizes}")
-            result = trio.run(_measure, info["peer_id"], ("127.0.0.1", info["port"]),
+            result = trio.run(_measure, info["peer_id"], Address("127.0.0.1", info["port"]),
                               relay_address(relay.address), sizes, samples)
             result["relay_metrics"] = {k: v for k, v in relay.metrics().items()
                                        if k.startswith(("meshd_relay_bytes", "meshd_relay_circuits_total"))}
@@ -219,7 +220,7 @@ def compression_tradeoff(workdir: Path, hidden_size: int, chunk_tokens: int, cap
             with _EchoPeer(workdir / f"cap-{cap}", relay.address) as info:
                 links = {label: relay_address(relay.address)}
                 if cap == "0":
-                    links = {"direct": ("127.0.0.1", info["port"]), **links}
+                    links = {"direct": Address("127.0.0.1", info["port"]), **links}
                 for name, address in links.items():
                     out[name] = trio.run(_chunk_costs, info["peer_id"], address, chunk, samples)
                     say(f"compression, {name}: raw {out[name]['raw']['p50_ms']} ms, zstd "

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 import trio
 
+from meshd.cli.signals import run_until_signalled
 from meshd.errors import MeshError
 
 # Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
@@ -107,29 +107,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for noisy in ("hpack", "h2", "httpx", "httpx2", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    async def main() -> None:
-        peer = Peer(config)
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                await nursery.start(peer.run)
-                async for signum in signals:
-                    logging.getLogger("meshd").info("received %s; leaving the mesh", signal.Signals(signum).name)
-                    async with trio.open_nursery() as leaving:
-
-                        async def drain_then_stop(scope: trio.CancelScope = leaving.cancel_scope) -> None:
-                            await peer.leave()
-                            scope.cancel()
-
-                        leaving.start_soon(drain_then_stop)
-                        async for _again in signals:  # a second signal skips the drain
-                            logging.getLogger("meshd").info("second signal: stopping now")
-                            break
-                        leaving.cancel_scope.cancel()
-                    nursery.cancel_scope.cancel()
-                    break
-
     try:
-        trio.run(main)
+        peer = Peer(config)
+        trio.run(run_until_signalled, peer.run, logging.getLogger("meshd"), peer.leave)
     except (OSError, MeshError) as exc:
         logging.getLogger("meshd").error("meshd stopped: %s", exc)
         return 1

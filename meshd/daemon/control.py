@@ -2,47 +2,56 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from meshd.daemon.status import peer_status, peers_table
 from meshd.stats import percentiles
 from meshd.tracker.routing import NoRouteError
 
+if TYPE_CHECKING:
+    from meshd.daemon.peer import Peer
 
-def build_control_app(peer) -> Starlette:
+
+def build_control_app(peer: Peer) -> Starlette:
     async def status(_request: Request) -> JSONResponse:
-        return JSONResponse(peer.status())
+        return JSONResponse(peer_status(peer))
 
     async def peers(_request: Request) -> JSONResponse:
-        return JSONResponse({"peers": peer.peers_table()})
+        return JSONResponse({"peers": peers_table(peer)})
 
     async def route(request: Request) -> JSONResponse:
         model = request.query_params.get("model", "")
-        if model not in peer.known_models():
-            return JSONResponse({"error": f"unknown model {model!r}", "models": sorted(peer.known_models())},
-                                status_code=404)
+        known = peer.control.view.known_models()
+        if model not in known:
+            return JSONResponse({"error": f"unknown model {model!r}", "models": sorted(known)}, status_code=404)
         try:
-            chosen, _addresses, source = await peer.route_for(model)
+            planned = await peer.routes.route_for(model)
         except NoRouteError as exc:
             return JSONResponse({"error": str(exc), "missing": exc.missing}, status_code=503)
+        chosen = planned.route
         return JSONResponse({
             "model": chosen.model_id, "compat_key": chosen.compat_key, "epoch": chosen.epoch,
-            "cost_ms": chosen.cost_ms, "planned_by": source,
-            "hops": [dict(t) for t in chosen.terms],
+            "cost_ms": chosen.cost_ms, "planned_by": planned.source,
+            "hops": [asdict(t) for t in chosen.terms],
         })
 
     async def stats(request: Request) -> JSONResponse:
         summary = peer.hops.stats.summary()
-        summary["repair_ms"] = {pos: percentiles(v) for pos, v in peer.repair_ms.items()}
-        if peer.host is not None:
-            summary["batches"] = peer.host.batcher.stats.summary()
+        repair_ms = peer.entry.repair_ms if peer.entry is not None else {}
+        summary["repair_ms"] = {pos: percentiles(v) for pos, v in repair_ms.items()}
+        if peer.served is not None:
+            summary["batches"] = peer.served.host.batcher.stats.summary()
         if request.query_params.get("reset"):
             peer.hops.stats.reset()
-            peer.repair_ms.clear()
-            if peer.host is not None:
-                peer.host.batcher.stats.reset()
+            repair_ms.clear()
+            if peer.served is not None:
+                peer.served.host.batcher.stats.reset()
         return JSONResponse(summary)
 
     return Starlette(routes=[

@@ -16,14 +16,38 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from meshd.runtime.model_info import describe_model
 
 
 class LocalMeshError(RuntimeError):
     pass
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_for_ready_file(path: Path, process: subprocess.Popen[bytes], timeout: float, what: str,
+                        tail: Callable[[], str]) -> dict[str, Any]:
+    """The JSON a child process writes (atomically) once it listens; an error with its log's tail
+    when it exits first or takes longer than ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            raise LocalMeshError(f"{what} exited with {process.returncode}:\n{tail()}")
+        if time.monotonic() > deadline:
+            raise LocalMeshError(f"{what} not ready after {timeout:.0f}s:\n{tail()}")
+        time.sleep(0.05)
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
 
 
 @dataclass
@@ -56,10 +80,7 @@ class LocalPeer:
             return json.loads(resp.read())
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
 
 
 @dataclass
@@ -88,10 +109,7 @@ class LocalRelay:
         return samples
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
 
 
 def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
@@ -164,12 +182,7 @@ class LocalMesh:
                                        start_new_session=True)
         relay = LocalRelay(process, log_path, ready)
         self.relays.append(relay)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise LocalMeshError(f"relay{index} did not start ({process.poll()}):\n{relay.log_tail()}")
-            time.sleep(0.05)
-        ports = json.loads(ready.read_text())
+        ports = wait_for_ready_file(ready, process, timeout, f"relay{index}", relay.log_tail)
         relay.port, relay.metrics_port = ports["port"], ports["metrics_port"]
         return relay
 
@@ -183,14 +196,7 @@ class LocalMesh:
                 relay.process.wait(timeout=5)
 
     def _wait_ready(self, peer: LocalPeer, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not peer.ready_file.exists():
-            if peer.process.poll() is not None:
-                raise LocalMeshError(f"peer{peer.index} exited with {peer.process.returncode}:\n{peer.log_tail()}")
-            if time.monotonic() > deadline:
-                raise LocalMeshError(f"peer{peer.index} not ready after {timeout:.0f}s:\n{peer.log_tail()}")
-            time.sleep(0.05)
-        peer.status = json.loads(peer.ready_file.read_text())
+        peer.status = wait_for_ready_file(peer.ready_file, peer.process, timeout, f"peer{peer.index}", peer.log_tail)
 
     def start_peers(self, specs: list[dict], timeout: float = 90.0) -> list[LocalPeer]:
         """Start peers from keyword dicts (as for :meth:`start_peer`): the first alone, the rest together."""

@@ -6,37 +6,38 @@
 - ``relayed``: no direct address; the peer stays registered with its ``relays`` and advertises
   ``relay:HOST:PORT`` for each relay it is registered with right now.
 - ``auto``: the peer asks up to ``DIALBACK_HELPERS`` other peers to dial its advertised address
-  back (``/meshd/dialback``; each helper opens a fresh transport connection and checks that the
+  back (a ``dialback`` peer RPC; each helper opens a fresh transport connection and checks that the
   answer proves this peer's id). The direct address goes into the card only once a helper got
   through; until then, and after every helper failed, the peer is reached through its relays. The
   test repeats every ``reachability_interval_s``. With no relays configured there is nothing to fall
   back on, so the direct address is advertised regardless and the result is only reported.
 
-Dialers pick a card's direct address when it has one, else a relay address (``dial_address``);
+Dialers pick a card's direct address when it has one, else a relay address
+(``meshd.tracker.view.dial_address``);
 the transport replaces a live relayed connection as soon as a direct address is known.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 
-from meshd.address import Address
+from meshd.address import Address, AddressError
 from meshd.daemon.config import PeerConfig
+from meshd.errors import ErrorCode, MeshError
 from meshd.identity import Identity
-from meshd.transport import Transport
+from meshd.rpc import RpcFailed, call
+from meshd.transport import StreamHandler, Transport
 from meshd.transport.relay import RelayRegistration
 from meshd.transport.websocket import WebSocketStream
-from meshd.wire import card_pb2 as cpb
+from meshd.wire import rpc_pb2 as rpb
 
 log = logging.getLogger("meshd.reachability")
 
-DIALBACK_PATH = "/meshd/dialback"
 DIALBACK_HELPERS = 3
 DIALBACK_TIMEOUT_S = 5.0
 DIALBACK_MIN_INTERVAL_S = 2.0  # per asking peer: a helper is not a free port scanner
@@ -45,40 +46,38 @@ FIRST_CHECK_DELAY_S = 0.5
 Helpers = Callable[[], list[tuple[str, str]]]  # (peer id, address) of live peers that can be asked
 
 
-def dial_address(card: cpb.CapabilityCard) -> str | None:
-    """The address to dial a peer at: its first direct address, else its first relay address."""
-    if card.addresses:
-        return card.addresses[0]
-    if card.relay_addresses:
-        return card.relay_addresses[0]
-    return None
+class DialbackRefused(MeshError):
+    """A dial-back request this peer will not serve (a relay address, or asked too often)."""
 
-
-def relayed_through(card: cpb.CapabilityCard) -> list[str]:
-    """The relays a peer is reached through, empty when it is directly dialable."""
-    return [] if card.addresses else list(card.relay_addresses)
+    code = ErrorCode.BAD_REQUEST
 
 
 class Reachability:
+    """Keeps the relay registrations up and decides, by dial-back tests, what the card advertises.
+
+    ``advertised`` gives the address this peer tells others to dial (known once its listener is bound).
+    """
+
     def __init__(self, config: PeerConfig, transport: Transport, identity: Identity,
-                 on_change: Callable[[], None]) -> None:
+                 advertised: Callable[[], str], on_change: Callable[[], None]) -> None:
         self.config = config
         self.transport = transport
         self.identity = identity
+        self.advertised = advertised
         self.on_change = on_change
         self.mode = config.reachability
         self.registrations = [] if self.mode == "direct" else [
             RelayRegistration(identity, relay, self._on_circuit, on_change) for relay in config.relays
         ]
         self.dialable: bool | None = None  # last dial-back verdict; None until one came back
-        self.last_check: dict = {}
-        self._handler: Callable[[object], Awaitable[None]] | None = None
+        self.last_check: dict[str, object] = {}
+        self._handler: StreamHandler | None = None
         self._asked_at: dict[str, float] = {}
 
     # -- what the card says ------------------------------------------------------------------------
 
     def direct_addresses(self) -> list[str]:
-        advertised = self.config.advertised
+        advertised = self.advertised()
         if self.mode == "direct" or (self.mode == "auto" and not self.registrations):
             return [advertised]
         if self.mode == "auto" and self.dialable:
@@ -98,7 +97,7 @@ class Reachability:
 
     # -- running -----------------------------------------------------------------------------------
 
-    async def run(self, handler: Callable[[object], Awaitable[None]], helpers: Helpers) -> None:
+    async def run(self, handler: StreamHandler, helpers: Helpers) -> None:
         """Keep relay registrations up and, in ``auto`` mode, re-test dialability; runs until cancelled."""
         self._handler = handler
         async with trio.open_nursery() as nursery:
@@ -117,7 +116,7 @@ class Reachability:
             candidates = [h for h in helpers() if h[0] != self.identity.peer_id]
             verdict = await self.check(candidates) if candidates else None
             if verdict is not None and verdict != self.dialable:
-                log.info("dial-back: %s is %s", self.config.advertised,
+                log.info("dial-back: %s is %s", self.advertised(),
                          "dialable" if verdict else "NOT dialable by other peers")
                 self.dialable = verdict
                 self.on_change()
@@ -127,35 +126,39 @@ class Reachability:
         """Ask a few peers to dial us back: True if any got through, False if all answered no,
         None if none answered at all."""
         chosen = random.sample(candidates, min(DIALBACK_HELPERS, len(candidates)))
-        answers: dict[str, dict] = {}
+        answers: dict[str, rpb.DialbackReply] = {}
 
         async def ask(peer_id: str, address: str) -> None:
-            body = json.dumps({"address": self.config.advertised}).encode()
+            request = rpb.PeerRequest(dialback=rpb.DialbackRequest(address=self.advertised()))
             try:
-                reply = await self.transport.request(peer_id, address, DIALBACK_PATH, body,
-                                                     timeout=DIALBACK_TIMEOUT_S + 2)
-                answers[peer_id] = json.loads(reply)
-            except Exception as exc:
+                reply = await call(self.transport, peer_id, address, request, timeout=DIALBACK_TIMEOUT_S + 2)
+            except RpcFailed as exc:
                 log.debug("dial-back request to %s failed: %s", peer_id[:12], exc)
+                return
+            if reply.WhichOneof("body") == "dialback":
+                answers[peer_id] = reply.dialback
 
         async with trio.open_nursery() as nursery:
             for peer_id, address in chosen:
                 nursery.start_soon(ask, peer_id, address)
-        verdicts = [a.get("dialable") for a in answers.values() if isinstance(a.get("dialable"), bool)]
         self.last_check = {"at": round(time.time(), 1), "asked": [p[:12] for p, _ in chosen],
-                           "answers": {p[:12]: a for p, a in answers.items()}}
-        if not verdicts:
+                           "answers": {p[:12]: {"dialable": a.dialable, "error": a.error or None}
+                                       for p, a in answers.items()}}
+        if not answers:
             return None
-        return any(verdicts)
+        return any(a.dialable for a in answers.values())
 
-    async def serve_dialback(self, sender: str, request: dict) -> bytes:
-        """Dial ``request["address"]`` afresh and check that ``sender`` answers there."""
-        address = request.get("address")
-        if not isinstance(address, str) or Address.parse(address).relay:
-            raise ValueError("dial-back needs a direct host:port address")
+    async def serve_dialback(self, sender: str, request: rpb.DialbackRequest) -> rpb.DialbackReply:
+        """Dial the requester's address afresh and check that ``sender`` answers there."""
+        try:
+            address = Address.parse(request.address)
+        except AddressError as exc:
+            raise DialbackRefused(f"dial-back needs a direct HOST:PORT address: {exc}") from None
+        if address.relay:
+            raise DialbackRefused("dial-back needs a direct HOST:PORT address, not a relay address")
         now = time.monotonic()
         if now - self._asked_at.get(sender, -DIALBACK_MIN_INTERVAL_S) < DIALBACK_MIN_INTERVAL_S:
-            raise PermissionError("dial-back asked too often")
+            raise DialbackRefused("dial-back asked too often")
         self._asked_at[sender] = now
         error = await self.transport.check_dialable(sender, address, timeout=DIALBACK_TIMEOUT_S)
-        return json.dumps({"dialable": error is None, "error": error}).encode()
+        return rpb.DialbackReply(dialable=error is None, error=error or "")

@@ -34,6 +34,13 @@ class ArchitectureAdapter:
     def layer_tensor_prefix(self, layer: int) -> str:
         return f"{self.layer_prefix}{layer}."
 
+    def kv_heads_and_dim(self, config: PretrainedConfig) -> tuple[int, int]:
+        """Key/value heads and head size of one attention layer: what one token's KV takes per layer."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return int(kv_heads), int(head_dim)
+
 
 def _no_window(_config: PretrainedConfig, _layer: int) -> int | None:
     return None

@@ -38,25 +38,14 @@ def input_bundles(
 ) -> Iterator[HiddenStateBundle]:
     """The head's input bundles for ``token_ids``: prefill chunks of at most ``chunk_tokens`` tokens
     (the last one asks the tail to sample), or one decode bundle when ``step > 0``."""
-    if chunk_tokens < 1:
-        raise ValueError("chunk_tokens must be at least 1")
-    phase = Phase.DECODE if step > 0 else Phase.PREFILL
-    for offset in range(0, len(token_ids), chunk_tokens):
-        chunk = list(token_ids[offset : offset + chunk_tokens])
-        position = start_position + offset
-        yield HiddenStateBundle(
-            session_id=session_id,
-            epoch=epoch,
-            step=step,
-            phase=phase,
-            start_position=position,
-            token_count=len(chunk),
-            tensors={INPUT_IDS: torch.tensor(chunk, dtype=torch.long)},
-            range_start=head_range[0],
-            range_end=head_range[1],
-            sample=offset + len(chunk) == len(token_ids),
-            sampling=sampling if position == 0 else None,
-        )
+    whole = HiddenStateBundle(
+        session_id=session_id, epoch=epoch, step=step, phase=Phase.DECODE if step > 0 else Phase.PREFILL,
+        start_position=start_position, token_count=len(token_ids),
+        tensors={INPUT_IDS: torch.tensor(list(token_ids), dtype=torch.long)},
+        range_start=head_range[0], range_end=head_range[1], sample=True,
+        sampling=sampling if start_position == 0 else None,
+    )
+    yield from whole.chunks(chunk_tokens)
 
 
 class LocalChain:

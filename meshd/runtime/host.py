@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -79,13 +79,28 @@ class ComputeThread:
         self._executor.shutdown(wait=False)
 
 
+class InlineCompute:
+    """Runs compute on the event loop's own thread, blocking it: for in-process tests on a fake clock,
+    where time must not pass while a step computes (a compute thread would let the clock jump)."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    def close(self) -> None:
+        pass
+
+
 class ShardHost:
+    """Owns a peer's shard once loaded, its compute thread and its batcher: the Trio face of the runtime."""
+
     def __init__(self, model_dir: Path, *, max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
                  session_ttl_s: float = 600.0, max_batch: int = 16, torch_threads: int | None = None,
-                 keep_logits: bool = False, batch_hold: float = 1.0) -> None:
+                 keep_logits: bool = False, batch_hold: float = 1.0,
+                 compute: ComputeThread | InlineCompute | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.shard: Shard | None = None
-        self.compute = ComputeThread(torch_threads)
+        self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold)
         self._options = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                              session_ttl_s=session_ttl_s, keep_logits=keep_logits)
@@ -107,7 +122,7 @@ class ShardHost:
 
     async def forward(self, bundle: HiddenStateBundle) -> StepResult:
         """One step of one session; steps of other sessions waiting at the same time share its forward."""
-        self._require()
+        self.require_shard()
         return await self.batcher.submit(bundle)
 
     async def run_sync(self, fn: Callable[..., T], *args) -> T:
@@ -115,10 +130,10 @@ class ShardHost:
         return await self.compute.run(fn, *args)
 
     async def _run_one(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
-        return await self.compute.run(_timed, self._require().forward, bundle)
+        return await self.compute.run(_timed, self.require_shard().forward, bundle)
 
     async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
-        return await self.compute.run(_timed, self._require().forward_batch, bundles)
+        return await self.compute.run(_timed, self.require_shard().forward_batch, bundles)
 
     def release(self, session_id: str, epoch: int) -> bool:
         self.batcher.forget(session_id, epoch)
@@ -137,7 +152,7 @@ class ShardHost:
     def close(self) -> None:
         self.compute.close()
 
-    def _require(self) -> Shard:
+    def require_shard(self) -> Shard:
         if self.shard is None:
             raise RuntimeError("no layers loaded yet")
         return self.shard

@@ -89,8 +89,8 @@ def describe_model(model_dir: Path, model_id: str | None = None) -> ModelInfo:
         weights.update(_safetensors_header(path))
     tok_digest = tokenizer_digest_of(read_small_files(model_dir))
     h, n_heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // n_heads
-    kv = config.num_key_value_heads * head_dim
+    kv_heads, head_dim = adapter.kv_heads_and_dim(config)
+    kv = kv_heads * head_dim
     attn = h * n_heads * head_dim * 2 + h * kv * 2
     mlp = 3 * h * config.intermediate_size
     layer_bytes = 4 * (attn + mlp + 2 * h)

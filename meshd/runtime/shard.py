@@ -139,6 +139,12 @@ class Shard:
                     total += p.numel() * p.element_size()
         return total
 
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token of a session takes on this shard: keys and values of every owned layer."""
+        kv_heads, head_dim = self.adapter.kv_heads_and_dim(self.config)
+        itemsize = torch.empty((), dtype=self.spec.dtype).element_size()
+        return (self.spec.end - self.spec.start) * 2 * kv_heads * head_dim * itemsize
+
     # -- sessions --------------------------------------------------------------------------------
 
     def release(self, session_id: str, epoch: int) -> bool:

@@ -1,9 +1,11 @@
-"""The entry side of a session: open it along a route, feed it, collect its tokens.
+"""The entry side of sessions on Trio: run attempts on routes, repair them, hand out tokens.
 
-The entry opens a results stream to the tail, then the seam to the head; it sends the prompt in
-bounded prefill chunks and then one decode bundle per token; tokens arrive from the tail, errors
-from the head's side of the seam. Every hop releases the session when the entry closes it or goes
-away.
+:func:`run_attempt` drives one :class:`~meshd.session.attempt.EntryAttempt` over real streams: it
+dials the tail's results stream and the head's seam, reads both (and gossip's verdict on the hops)
+into one queue of events, and performs what the attempt returns. :class:`EntrySessions` runs whole
+generations: one attempt after another on the routes a :class:`RouteSource` plans, as
+:class:`~meshd.session.repair.RepairPolicy` decides, until the reply is complete. Every hop releases
+the session when the entry closes it or goes away.
 """
 
 from __future__ import annotations
@@ -11,177 +13,322 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import trio
 
-from meshd.errors import MeshError
-from meshd.runtime.chain import input_bundles
+from meshd.errors import ErrorCode, MeshError
 from meshd.session import messages as m
+from meshd.session.attempt import (
+    AttemptEvent,
+    Emit,
+    EntryAttempt,
+    HopDead,
+    Received,
+    SendToHead,
+    SessionFailed,
+    SessionPlan,
+    Source,
+    StreamBroken,
+    StreamEnded,
+)
+from meshd.session.repair import RepairConfig, RepairPolicy, Reroute
+from meshd.tracker.routing import NoRouteError
 from meshd.tracker.view import Route
-from meshd.transport import TransportError
+from meshd.transport.errors import TransportError
+from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import bundle as wire
-from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.session")
 
-HEALTH_INTERVAL_S = 0.2
+HEALTH_INTERVAL_S = 0.2  # how often an attempt checks gossip's verdict on its hops
+STATS_WINDOW = 20000
 
 
-class SessionFailed(MeshError):
-    code = "session_failed"
+class DeadlinePassed(MeshError):
+    """The request ran past its deadline; its session was released everywhere."""
 
-    def __init__(self, code: str, message: str, peer_id: str = "") -> None:
-        super().__init__(f"{code}: {message}" + (f" (peer {peer_id[:12]})" if peer_id else ""))
-        self.remote_code = code
-        self.peer_id = peer_id
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
-@dataclass
-class SessionPlan:
+@dataclass(frozen=True)
+class PlannedRoute:
     route: Route
-    addresses: dict[str, str]   # peer id -> host:port of its transport
-    prompt: Sequence[int]
-    max_new_tokens: int
-    sampling: Sampling
-    eos_token_id: int | None
-    chunk_tokens: int = 128
-    step_timeout_s: float = 30.0
-    session_id: str = ""
-    alive: Callable[[str], bool] | None = None  # gossip's verdict on a peer; a dead hop ends the attempt
-    unchanged_prefix: int = 0                   # repair: leading hops shared with epoch resume_from_epoch
-    resume_from_epoch: int = 0
+    addresses: dict[str, str]  # peer id -> address to dial
+    source: str                # who planned it: the tracker, or this peer
 
 
-async def run_session(transport, entry_peer_id: str, plan: SessionPlan, out: trio.MemorySendChannel) -> None:
-    """Drive one generation; send each token id to ``out``, then close it. Raises SessionFailed."""
-    route = plan.route
-    session_id = plan.session_id or uuid.uuid4().hex
-    hops = [
-        pb.HopAddress(peer_id=h.peer_id, address=plan.addresses[h.peer_id], range_start=h.start, range_end=h.end)
-        for h in route.hops
-    ]
+class RouteSource(Protocol):
+    """Where an entry's routes come from, and what it learns about peers while using them."""
 
-    def open_for(index: int) -> bytes:
-        return m.open_msg(pb.SessionOpen(
-            session_id=session_id, epoch=route.epoch, model_id=route.model_id, compat_key=route.compat_key,
-            hops=hops, hop_index=index, entry_peer_id=entry_peer_id,
-            max_tokens=len(plan.prompt) + plan.max_new_tokens, prompt_tokens=len(plan.prompt),
-            unchanged_prefix=plan.unchanged_prefix, resume_from_epoch=plan.resume_from_epoch,
-        ))
+    async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
+                        keep: frozenset[str] = frozenset()) -> PlannedRoute:
+        """The best route now; :class:`~meshd.tracker.routing.NoRouteError` when none covers the model."""
+        ...
 
-    tail, head = hops[-1], hops[0]
-    results = head_stream = None
+    def is_alive(self, peer_id: str) -> bool: ...
+
+    def mark_unreachable(self, peer_id: str) -> None: ...
+
+
+# -- one attempt -------------------------------------------------------------------------------------
+
+
+async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPlan,
+                      alive: Callable[[str], bool] | None, out: trio.MemorySendChannel[int]) -> None:
+    """Drive one attempt; send each token to ``out``, then close it. Raises ``SessionFailed``."""
+    attempt = EntryAttempt(plan, entry_peer_id, trio.current_time())
+    results: MessageStream | None = None
+    head: MessageStream | None = None
     async with out:
         try:
-            results = await _dial(transport, tail, m.RESULTS_PATH)
-            await results.send_message(open_for(len(hops) - 1))
-            with trio.fail_after(plan.step_timeout_s):
-                first = m.parse(await _must_receive(results))
-            _raise_if_error(first)
-            head_stream = await _dial(transport, head, m.SEAM_PATH)
-            await head_stream.send_message(open_for(0))
-            events_send, events = trio.open_memory_channel(math.inf)
-            error: Exception | None = None
+            results = await _dial(opener, attempt.tail.peer_id, attempt.tail.address, m.RESULTS_PATH)
+            await _send(results, m.open_msg(attempt.open_for(len(attempt.hops) - 1)), attempt.tail.peer_id)
+            with trio.move_on_at(attempt.deadline) as waited:
+                first = await results.receive_message()
+            if waited.cancelled_caught:
+                attempt.on_timeout(trio.current_time())
+            if first is None:
+                raise SessionFailed(ErrorCode.SEAM_CLOSED, "the results stream ended before it opened",
+                                    attempt.tail.peer_id)
+            attempt.on_results_open(_parse(first, attempt.tail.peer_id), trio.current_time())
+            head = await _dial(opener, attempt.head.peer_id, attempt.head.address, m.SEAM_PATH)
+            await _send(head, m.open_msg(attempt.open_for(0)), attempt.head.peer_id)
+            events_in, events = trio.open_memory_channel[AttemptEvent](math.inf)
+            failure: SessionFailed | None = None
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read_into, results, events_send.clone(), "results", tail.peer_id)
-                nursery.start_soon(_read_into, head_stream, events_send.clone(), "seam", head.peer_id)
-                if plan.alive is not None:
-                    nursery.start_soon(_watch_hops, plan.alive, [h.peer_id for h in hops], events_send.clone())
-                events_send.close()
+                nursery.start_soon(_read_into, results, events_in.clone(), Source.RESULTS, attempt.tail.peer_id)
+                nursery.start_soon(_read_into, head, events_in.clone(), Source.SEAM, attempt.head.peer_id)
+                if alive is not None:
+                    nursery.start_soon(_watch_hops, alive, [h.peer_id for h in attempt.hops], events_in.clone())
+                events_in.close()
                 try:
-                    await _generate(plan, session_id, route, head_stream, events, out)
-                except Exception as exc:
-                    error = exc
+                    await _perform(attempt, attempt.start(trio.current_time()), head, out)
+                    while not attempt.done:
+                        with trio.move_on_at(attempt.deadline) as waited:
+                            event = await events.receive()
+                        if waited.cancelled_caught:
+                            attempt.on_timeout(trio.current_time())
+                            continue
+                        await _perform(attempt, attempt.on_event(event, trio.current_time()), head, out)
+                except SessionFailed as exc:
+                    failure = exc
                 nursery.cancel_scope.cancel()
-            if error is not None:
-                raise error
+            if failure is not None:
+                raise failure
         finally:
-            if head_stream is not None:
-                await m.finish_stream(head_stream, m.CLOSE)
+            if head is not None:
+                await m.finish_stream(head, m.CLOSE)
             if results is not None:
                 await m.finish_stream(results)
 
 
-async def _generate(plan: SessionPlan, session_id: str, route: Route, head_stream, events, out) -> None:
-    """Feed the route and pass its tokens on. Each new token goes back into the route before it goes to
-    ``out``, so the API's work on a token (detokenizing, streaming it) overlaps the next step's compute
-    instead of delaying it."""
-    head_range = (route.hops[0].start, route.hops[0].end)
-
-    async def feed(tokens: list[int], position: int, step: int) -> None:
-        for bundle in input_bundles(session_id, route.epoch, tokens, position, plan.chunk_tokens, head_range,
-                                    plan.sampling, step=step):
-            bundle.sent_at_ns = time.time_ns()
-            await head_stream.send_message(m.bundle_msg(wire.encode(bundle)))
-
-    position = len(plan.prompt)
-    await feed(list(plan.prompt), 0, 0)
-    for step in range(plan.max_new_tokens):
-        with trio.fail_after(plan.step_timeout_s):
-            msg = await events.receive()
-        if isinstance(msg, Exception):
-            raise msg
-        _raise_if_error(msg)
-        if msg.WhichOneof("kind") != "token" or msg.token.position != position:
-            raise SessionFailed("protocol", f"expected the token for position {position}, got {msg}")
-        token = int(msg.token.token)
-        finished = plan.eos_token_id is not None and token == plan.eos_token_id
-        if not finished and step + 1 < plan.max_new_tokens:
+async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit], head: MessageStream,
+                   out: trio.MemorySendChannel[int]) -> None:
+    """Send bundles to the head and tokens to ``out``, in order; a token is passed on even when the
+    route failed right after it (the token itself is good)."""
+    failure: SessionFailed | None = None
+    for action in actions:
+        if isinstance(action, Emit):
+            await out.send(action.token)
+        elif failure is None:
+            action.bundle.sent_at_ns = time.time_ns()
             try:
-                await feed([token], position, step + 1)
-            except Exception:
-                await out.send(token)  # the token itself is good: only the route failed after it
-                raise
-            position += 1
-        await out.send(token)
-        if finished:
-            return
+                await head.send_message(m.bundle_msg(wire.encode(action.bundle)))
+            except (TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                failure = SessionFailed(ErrorCode.UNREACHABLE, f"the seam to the head: {exc}", attempt.head.peer_id)
+    if failure is not None:
+        raise failure
 
 
-async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str], sink: trio.MemorySendChannel) -> None:
-    """Fail the attempt as soon as gossip declares a hop of the route dead."""
+async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str],
+                      sink: trio.MemorySendChannel[AttemptEvent]) -> None:
+    """Tell the attempt as soon as gossip declares a hop of the route dead."""
     async with sink:
         while True:
             for peer_id in peer_ids:
                 if not alive(peer_id):
-                    await sink.send(SessionFailed("peer_dead", "gossip declared the hop dead", peer_id))
+                    await sink.send(HopDead(peer_id))
                     return
             await trio.sleep(HEALTH_INTERVAL_S)
 
 
-async def _dial(transport, hop: pb.HopAddress, path: str):
+async def _dial(opener: StreamOpener, peer_id: str, address: str, path: str) -> MessageStream:
     try:
-        return await transport.open_stream(hop.peer_id, hop.address, path)
+        return await opener.open_stream(peer_id, address, path)
     except Exception as exc:
-        raise SessionFailed("unreachable", f"cannot reach {hop.address}: {exc}", hop.peer_id) from exc
+        raise SessionFailed(ErrorCode.UNREACHABLE, f"cannot reach {address}: {exc}", peer_id) from exc
 
 
-async def _read_into(stream, sink: trio.MemorySendChannel, name: str, peer_id: str) -> None:
+async def _send(stream: MessageStream, data: bytes, peer_id: str) -> None:
+    try:
+        await stream.send_message(data)
+    except Exception as exc:
+        raise SessionFailed(ErrorCode.UNREACHABLE, f"the stream went away: {exc}", peer_id) from exc
+
+
+def _parse(raw: bytes, peer_id: str) -> m.pb.SeamMessage:
+    try:
+        return m.parse(raw)
+    except MeshError as exc:
+        raise SessionFailed(exc.code, str(exc), peer_id) from None
+
+
+async def _read_into(stream: MessageStream, sink: trio.MemorySendChannel[AttemptEvent], source: Source,
+                     peer_id: str) -> None:
     async with sink:
         try:
             while True:
                 raw = await stream.receive_message()
                 if raw is None:
-                    await sink.send(SessionFailed("seam_closed", f"{name} stream ended early", peer_id))
+                    await sink.send(StreamEnded(source, peer_id))
                     return
-                await sink.send(m.parse(raw))
+                await sink.send(Received(source, peer_id, m.parse(raw)))
         except (TransportError, OSError, trio.BrokenResourceError) as exc:
-            await sink.send(SessionFailed("unreachable", f"{name} stream: {exc}", peer_id))
+            await sink.send(StreamBroken(source, peer_id, ErrorCode.UNREACHABLE, str(exc)))
         except MeshError as exc:
-            await sink.send(SessionFailed(exc.code, f"{name} stream: {exc}", peer_id))
+            await sink.send(StreamBroken(source, peer_id, exc.code, str(exc)))
 
 
-async def _must_receive(stream) -> bytes:
-    raw = await stream.receive_message()
-    if raw is None:
-        raise SessionFailed("seam_closed", "stream ended before the session opened")
-    return raw
+# -- whole generations --------------------------------------------------------------------------------
 
 
-def _raise_if_error(msg: pb.SeamMessage) -> None:
-    if msg.WhichOneof("kind") == "error":
-        raise SessionFailed(msg.error.code, msg.error.message, msg.error.peer_id)
+@dataclass(frozen=True)
+class Generation:
+    """What one request asks of the mesh, once tokenized."""
+
+    session_id: str
+    model_id: str
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: Sampling
+    eos_token_id: int | None
+
+
+@dataclass
+class EntryConfig:
+    chunk_tokens: int = 512
+    step_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    repair: RepairConfig = field(default_factory=RepairConfig)
+
+
+class EntrySessions:
+    """The generations this peer is the entry of; attempts run in ``nursery`` (the daemon's sessions
+    nursery), so that each is owned by the daemon while the API streams its tokens."""
+
+    def __init__(self, peer_id: str, opener: StreamOpener, routes: RouteSource, config: EntryConfig,
+                 nursery: trio.Nursery) -> None:
+        self.peer_id = peer_id
+        self.opener = opener
+        self.routes = routes
+        self.config = config
+        self.nursery = nursery
+        self.running = 0
+        self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
+
+    async def generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[int]:
+        """Yield the generation's tokens, repairing the route as needed; raises the repair policy's
+        errors (``NoCompleteRoute``, ``AllRefused``, ``RepairFailed``) or ``DeadlinePassed``."""
+        self.running += 1
+        try:
+            async for token in self._generate(gen, first):
+                yield token
+        finally:
+            self.running -= 1
+
+    async def _generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[int]:
+        cfg = self.config
+        policy = RepairPolicy(cfg.repair)
+        deadline = trio.current_time() + cfg.request_timeout_s
+        generated: list[int] = []
+        planned: PlannedRoute | None = first
+        while len(generated) < gen.max_new_tokens:
+            if planned is None:
+                excluded, keep = policy.exclusions(trio.current_time())
+                planned = await self._plan(gen, policy, excluded, keep, len(generated), deadline)
+            epoch, resume_from, unchanged = policy.begin(planned.route)
+            route = replace(planned.route, epoch=epoch)
+            plan = SessionPlan(
+                route=route, addresses=planned.addresses, prompt=[*gen.prompt, *generated],
+                max_new_tokens=gen.max_new_tokens - len(generated), sampling=gen.sampling,
+                eos_token_id=gen.eos_token_id, session_id=gen.session_id, chunk_tokens=cfg.chunk_tokens,
+                step_timeout_s=cfg.step_timeout_s, unchanged_prefix=unchanged, resume_from_epoch=resume_from,
+            )
+            send, receive = trio.open_memory_channel[int](math.inf)
+            outcome = _Outcome()
+            scope = await self.nursery.start(self._attempt_task, plan, send, outcome, deadline)
+            try:
+                async with receive:
+                    async for token in receive:
+                        repaired = policy.on_token(trio.current_time())
+                        if repaired is not None:
+                            took_ms, position = repaired
+                            self.repair_ms.setdefault(position, deque(maxlen=STATS_WINDOW)).append(took_ms)
+                            log.info("session %s repaired (%s hop lost) in %.0f ms: epoch %d on %s",
+                                     gen.session_id, position, took_ms, epoch, route.describe())
+                        generated.append(token)
+                        yield token
+                await outcome.done.wait()  # the attempt's outcome is recorded only once its task has ended
+            finally:
+                scope.cancel()
+            if outcome.deadline_passed:
+                raise DeadlinePassed(f"the request did not finish within {cfg.request_timeout_s:g}s")
+            if outcome.failure is None:
+                return
+            failure = outcome.failure
+            if gen.eos_token_id is not None and generated and generated[-1] == gen.eos_token_id:
+                return
+            reroute: Reroute = policy.on_failure(failure, len(generated), route, trio.current_time())
+            if reroute.unreachable is not None:
+                self.routes.mark_unreachable(reroute.unreachable)
+            log.info("session %s epoch %d on %s failed after %d tokens (%s); repairing", gen.session_id, epoch,
+                     route.describe(), len(generated), policy.cause)
+            planned = None
+
+    async def _plan(self, gen: Generation, policy: RepairPolicy, excluded: frozenset[str], keep: frozenset[str],
+                    generated: int, deadline: float) -> PlannedRoute:
+        """The next route, waiting (with the policy's backoff) while none covers the model."""
+        while True:
+            try:
+                return await self.routes.route_for(gen.model_id, exclude=excluded, keep=keep)
+            except NoRouteError as exc:
+                wait = policy.on_no_route(gen.model_id, exc.missing, generated, trio.current_time())
+            if wait.until >= deadline:
+                raise DeadlinePassed(f"the request did not finish within {self.config.request_timeout_s:g}s "
+                                     f"({wait.cause})")
+            log.info("session %s: %s; asking again in %.2fs", gen.session_id, wait.cause,
+                     wait.until - trio.current_time())
+            await trio.sleep_until(wait.until)
+            excluded, keep = policy.exclusions(trio.current_time())
+
+    async def _attempt_task(self, plan: SessionPlan, send: trio.MemorySendChannel[int], outcome: _Outcome,
+                            deadline: float, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """One attempt under the daemon's sessions nursery; its outcome is recorded, never raised."""
+        try:
+            with trio.CancelScope(deadline=deadline) as scope:
+                task_status.started(scope)
+                try:
+                    await run_attempt(self.opener, self.peer_id, plan, self.routes.is_alive, send)
+                except SessionFailed as exc:
+                    log.warning("session %s failed: %s", plan.session_id, exc)
+                    outcome.failure = exc
+                except Exception as exc:  # a fault of this peer: the attempt fails, the daemon goes on
+                    log.exception("session %s failed on this peer", plan.session_id)
+                    outcome.failure = SessionFailed(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+            if scope.cancelled_caught and trio.current_time() >= deadline:
+                outcome.deadline_passed = True
+        finally:
+            send.close()
+            outcome.done.set()
+
+
+@dataclass
+class _Outcome:
+    failure: SessionFailed | None = None
+    deadline_passed: bool = False
+    done: trio.Event = field(default_factory=trio.Event)

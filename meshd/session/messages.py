@@ -7,8 +7,11 @@ import contextlib
 import trio
 from google.protobuf.message import DecodeError
 
-from meshd.errors import BundleError, MeshError
+from meshd.errors import BundleError, ErrorCode, MeshError
+from meshd.transport.streams import MessageStream
+from meshd.wire import bundle as wire
 from meshd.wire import session_pb2 as pb
+from meshd.wire.bundle import HiddenStateBundle
 
 SEAM_PATH = "/meshd/seam"
 RESULTS_PATH = "/meshd/results"
@@ -25,6 +28,16 @@ def parse(raw: bytes) -> pb.SeamMessage:
     return msg
 
 
+def seam_bundle(msg: pb.SeamMessage) -> HiddenStateBundle | None:
+    """What a hop's upstream sent: a bundle, or None when the entry closes the session."""
+    kind = msg.WhichOneof("kind")
+    if kind == "close":
+        return None
+    if kind != "bundle":
+        raise BundleError(f"unexpected {kind!r} message on a seam")
+    return wire.decode(msg.bundle)
+
+
 def bundle_msg(encoded: bytes) -> bytes:
     return pb.SeamMessage(bundle=encoded).SerializeToString()
 
@@ -33,12 +46,12 @@ def token_msg(position: int, token: int) -> bytes:
     return pb.SeamMessage(token=pb.TokenResult(position=position, token=token)).SerializeToString()
 
 
-def error_msg(code: str, message: str, peer_id: str) -> bytes:
-    return pb.SeamMessage(error=pb.SessionError(code=code, message=message, peer_id=peer_id)).SerializeToString()
+def error_msg(code: ErrorCode, message: str, peer_id: str) -> bytes:
+    return pb.SeamMessage(error=pb.SessionError(code=code.value, message=message, peer_id=peer_id)).SerializeToString()
 
 
 def error_from(exc: Exception, peer_id: str) -> bytes:
-    code = exc.code if isinstance(exc, MeshError) else "internal_error"
+    code = exc.code if isinstance(exc, MeshError) else ErrorCode.INTERNAL_ERROR
     return error_msg(code, str(exc), peer_id)
 
 
@@ -50,7 +63,7 @@ def open_msg(open_: pb.SessionOpen) -> bytes:
     return pb.SeamMessage(open=open_).SerializeToString()
 
 
-async def finish_stream(stream, last_message: bytes | None = None, linger_s: float = 1.0) -> None:
+async def finish_stream(stream: MessageStream, last_message: bytes | None = None, linger_s: float = 1.0) -> None:
     """End a stream we opened without aborting it: send ``last_message``, half-close, give the peer
     ``linger_s`` to end its side (so it reads everything first), then close. Never raises; runs
     shielded so that a cancelled session still says goodbye to its hops."""
@@ -67,7 +80,7 @@ async def finish_stream(stream, last_message: bytes | None = None, linger_s: flo
             await stream.aclose()
 
 
-async def end_quietly(stream) -> None:
+async def end_quietly(stream: MessageStream) -> None:
     """Half-close a stream we answer: what we sent stays readable for the requester."""
     with trio.move_on_after(2), contextlib.suppress(Exception):
         await stream.end()

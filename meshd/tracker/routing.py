@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from meshd.tracker.placement import coverage, missing_ranges
-from meshd.tracker.view import Hop, Route, ShardOffer
+from meshd.tracker.view import Hop, HopTerms, Route, ShardOffer
 
 PER_HOP_MS = 0.5
 UNMEASURED_RTT_MS = 1.0
@@ -39,16 +39,13 @@ def seam_ms(offer: ShardOffer, rtt_ms: float | None) -> float:
     return UNMEASURED_RTT_MS + (RELAY_PENALTY_MS if offer.relayed else 0.0)
 
 
-def hop_terms(offer: ShardOffer, rtt_ms: float | None) -> dict:
-    layers = offer.range[1] - offer.range[0]
+def hop_terms(offer: ShardOffer, rtt_ms: float | None) -> HopTerms:
+    assert offer.range is not None
+    start, end = offer.range
     load = 1.0 + offer.active_sessions * 0.5 + offer.queued
-    compute = layers * offer.ms_per_layer * load
-    seam = seam_ms(offer, rtt_ms)
-    return {
-        "peer_id": offer.peer_id, "start": offer.range[0], "end": offer.range[1],
-        "compute_ms": round(compute, 3), "seam_ms": round(seam, 3), "hop_ms": PER_HOP_MS,
-        "load_factor": load,
-    }
+    compute = (end - start) * offer.ms_per_layer * load
+    return HopTerms(peer_id=offer.peer_id, start=start, end=end, compute_ms=round(compute, 3),
+                    seam_ms=round(seam_ms(offer, rtt_ms), 3), hop_ms=PER_HOP_MS, load_factor=load)
 
 
 def plan_route(
@@ -75,7 +72,7 @@ def plan_route(
     for compat_key, group in sorted(by_compat.items()):
         n_layers = group[0].n_layers
         terms = {o.peer_id: hop_terms(o, rtt_ms(o.peer_id)) for o in group}
-        cost = {o.peer_id: sum(terms[o.peer_id][k] for k in ("compute_ms", "seam_ms", "hop_ms"))
+        cost = {o.peer_id: (terms[o.peer_id].compute_ms + terms[o.peer_id].seam_ms + terms[o.peer_id].hop_ms)
                 * (KEEP_DISCOUNT if o.peer_id in keep else 1.0) for o in group}
         dist: dict[int, tuple[float, list[ShardOffer]]] = {0: (0.0, [])}
         for boundary in range(n_layers):

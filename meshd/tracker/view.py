@@ -1,8 +1,25 @@
-"""The slice of the gossip view that placement and routing look at."""
+"""The mesh as this peer sees it, and the slice of it that placement and routing look at.
+
+Everything a peer knows about others comes from verified capability cards (gossip), the membership
+verdicts of failure detection, and the round trips it measured itself. :class:`MeshView` turns that
+into :class:`ShardOffer` records for placement and routing, and answers the questions the other
+planes ask: where to dial a peer, whether it is alive, which models the mesh covers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from meshd.gossip.events import MemberState
+from meshd.wire import card_pb2 as cpb
+
+if TYPE_CHECKING:
+    from meshd.gossip.node import GossipNode
+
+DEFAULT_CONTEXT_LENGTH = 2048
+UNREACHABLE_FOR_S = 10.0  # how long routes keep away from a peer that failed to answer, unless nothing else covers
 
 
 @dataclass(frozen=True)
@@ -23,6 +40,22 @@ class ShardOffer:
     relayed: bool = False
     pinned: bool = False         # the operator fixed the range; placement never assigns one
 
+    def placed(self, layers: tuple[int, int]) -> ShardOffer:
+        return replace(self, range=layers)
+
+
+@dataclass(frozen=True)
+class HopTerms:
+    """What the planner estimated for one hop of a route, in milliseconds per decode token."""
+
+    peer_id: str
+    start: int
+    end: int
+    compute_ms: float
+    seam_ms: float
+    hop_ms: float
+    load_factor: float
+
 
 @dataclass(frozen=True)
 class Hop:
@@ -38,7 +71,132 @@ class Route:
     hops: tuple[Hop, ...]
     epoch: int
     cost_ms: float
-    terms: tuple[dict, ...] = ()
+    terms: tuple[HopTerms, ...] = ()
 
     def describe(self) -> str:
         return " -> ".join(f"{h.peer_id[:8]}[{h.start},{h.end})" for h in self.hops)
+
+    def position_of(self, peer_id: str) -> str:
+        """``head``, ``middle`` or ``tail`` for a peer of this route (``unknown`` otherwise)."""
+        ids = [h.peer_id for h in self.hops]
+        if peer_id not in ids:
+            return "unknown"
+        index = ids.index(peer_id)
+        return "head" if index == 0 else "tail" if index == len(ids) - 1 else "middle"
+
+
+def dial_address(card: cpb.CapabilityCard) -> str | None:
+    """The address to dial a peer at: its first direct address, else its first relay address."""
+    if card.addresses:
+        return card.addresses[0]
+    if card.relay_addresses:
+        return card.relay_addresses[0]
+    return None
+
+
+def relayed_through(card: cpb.CapabilityCard) -> list[str]:
+    """The relays a peer is reached through, empty when it is directly dialable."""
+    return [] if card.addresses else list(card.relay_addresses)
+
+
+def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
+    """The models a card offers, one :class:`ShardOffer` each."""
+    out = []
+    for m in card.models:
+        placed = m.range_end > m.range_start
+        layers = (m.range_end - m.range_start) if placed else m.n_layers
+        ms_per_layer = 1000.0 / (m.decode_tok_s * layers) if m.decode_tok_s > 0 and layers else 1.0
+        out.append(ShardOffer(
+            peer_id=card.peer_id, model_id=m.model_id, compat_key=m.compat_key, n_layers=m.n_layers,
+            layer_bytes=m.layer_bytes, edge_bytes=m.edge_bytes, memory_budget_bytes=card.memory_budget_bytes,
+            range=(m.range_start, m.range_end) if placed else None, ms_per_layer=ms_per_layer,
+            active_sessions=card.load.active_sessions, queued=card.load.queued, relayed=not card.addresses,
+            pinned=m.pinned,
+        ))
+    return out
+
+
+@dataclass
+class MeshView:
+    """Cards, membership and measured round trips, as one view for the planes that need them.
+
+    ``clock`` is the monotonic clock that times unreachability marks (a fake one in tests).
+    """
+
+    gossip: GossipNode
+    clock: Callable[[], float]
+    rtt_ms: dict[str, float] = field(default_factory=dict)
+    last_seen: dict[str, float] = field(default_factory=dict)  # wall-clock time of the last message heard
+    _unreachable: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def self_id(self) -> str:
+        return self.gossip.self_id
+
+    def cards(self) -> dict[str, cpb.CapabilityCard]:
+        return {peer_id: card.card for peer_id, card in self.gossip.live_cards().items()}
+
+    def offers(self) -> list[ShardOffer]:
+        """Every model offer in the live view (including this peer's), for placement and routing."""
+        return [offer for card in self.cards().values() for offer in offers_of(card)]
+
+    def known_models(self) -> set[str]:
+        return {o.model_id for o in self.offers()}
+
+    def covered_models(self) -> list[str]:
+        from meshd.tracker.routing import NoRouteError, plan_route
+
+        offers = self.offers()
+        covered = []
+        for model_id in sorted({o.model_id for o in offers}):
+            try:
+                plan_route(model_id, offers, self.rtt_of)
+            except NoRouteError:
+                continue
+            covered.append(model_id)
+        return covered
+
+    def context_length(self, model_id: str) -> int:
+        for card in self.cards().values():
+            for m in card.models:
+                if m.model_id == model_id and m.context_length:
+                    return m.context_length
+        return DEFAULT_CONTEXT_LENGTH
+
+    def address_of(self, peer_id: str) -> str | None:
+        card = self.gossip.live_cards().get(peer_id)
+        return None if card is None else dial_address(card.card)
+
+    def rtt_of(self, peer_id: str) -> float | None:
+        return 0.0 if peer_id == self.self_id else self.rtt_ms.get(peer_id)
+
+    def record_rtt(self, peer_id: str, elapsed_ms: float, wall_now: float) -> None:
+        previous = self.rtt_ms.get(peer_id)
+        self.rtt_ms[peer_id] = elapsed_ms if previous is None else 0.8 * previous + 0.2 * elapsed_ms
+        self.last_seen[peer_id] = wall_now
+
+    def heard_from(self, peer_id: str, wall_now: float) -> None:
+        self.last_seen[peer_id] = wall_now
+
+    def alive_members(self) -> list[str]:
+        return sorted(p for p, state in self.gossip.members().items() if state == MemberState.ALIVE)
+
+    def is_alive(self, peer_id: str) -> bool:
+        """Gossip's verdict, for sessions in flight: only a peer declared dead fails them (a leaving
+        peer is still draining its running sessions)."""
+        if peer_id == self.self_id:
+            return True
+        member = self.gossip.member(peer_id)
+        return member is None or member.state != MemberState.DEAD
+
+    def mark_unreachable(self, peer_id: str) -> None:
+        """Keep routes away from a peer that just failed to answer, until gossip decides about it."""
+        self._unreachable[peer_id] = self.clock() + UNREACHABLE_FOR_S
+
+    def avoided(self) -> frozenset[str]:
+        """Peers routes should avoid when they can: recently unreachable, or not known to be alive."""
+        now = self.clock()
+        for peer_id in [p for p, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[peer_id]
+        suspects = {p for p, state in self.gossip.members().items() if state != MemberState.ALIVE}
+        return frozenset(set(self._unreachable) | suspects)

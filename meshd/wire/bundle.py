@@ -74,6 +74,38 @@ class HiddenStateBundle:
     sent_at_ns: int = 0
     version: int = field(default=SCHEMA_VERSION)
 
+    @property
+    def end_position(self) -> int:
+        """The position just past this bundle's last token."""
+        return self.start_position + self.token_count
+
+    def part(self, start: int, end: int, tensors: dict[str, torch.Tensor] | None = None) -> HiddenStateBundle:
+        """Positions ``[start, end)`` of this bundle: its own tensors sliced, or ``tensors`` in their place.
+
+        The one rule for splitting a bundle: only the part that ends where the bundle ends asks the tail
+        to sample, and only a part that starts the session carries the sampling settings.
+        """
+        if not self.start_position <= start < end <= self.end_position:
+            raise ValueError(f"[{start}, {end}) is not inside [{self.start_position}, {self.end_position})")
+        if tensors is None:
+            offset = start - self.start_position
+            tensors = {name: t[offset : offset + end - start] for name, t in self.tensors.items()}
+        return HiddenStateBundle(
+            session_id=self.session_id, epoch=self.epoch, phase=self.phase, start_position=start,
+            token_count=end - start, tensors=tensors, range_start=self.range_start, range_end=self.range_end,
+            step=self.step, sample=self.sample and end == self.end_position,
+            sampling=self.sampling if start == 0 else None, sent_at_ns=self.sent_at_ns, version=self.version,
+        )
+
+    def chunks(self, max_tokens: int) -> list[HiddenStateBundle]:
+        """This bundle cut into parts of at most ``max_tokens`` tokens, in order."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.token_count <= max_tokens:
+            return [self]
+        return [self.part(s, min(s + max_tokens, self.end_position))
+                for s in range(self.start_position, self.end_position, max_tokens)]
+
 
 def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
     """The bundle's wire bytes. With ``compress``, each tensor of at least ``COMPRESS_MIN_BYTES`` is

@@ -6,6 +6,7 @@ they differ, so the committed code always matches the schema and nothing is gene
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -27,7 +28,16 @@ def generate(out_dir: Path) -> list[Path]:
     args += [str(p) for p in schemas]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted(out_dir.glob("*_pb2.py*"))
+    generated = sorted(out_dir.glob("*_pb2.py*"))
+    for path in generated:
+        path.write_text(_package_imports(path.read_text()))
+    return generated
+
+
+def _package_imports(source: str) -> str:
+    """protoc writes a schema's imports as top-level modules (``import card_pb2``); ours live in this
+    package, so each becomes ``from meshd.wire import card_pb2``."""
+    return re.sub(r"^import (\w+_pb2)( as \w+)?$", r"from meshd.wire import \1\2", source, flags=re.MULTILINE)
 
 
 def main() -> None:

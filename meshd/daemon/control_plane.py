@@ -1,0 +1,193 @@
+"""The control plane on Trio: gossip, the tracker election and the tracker's duties, on a clock tick.
+
+The state machines (:class:`~meshd.gossip.node.GossipNode`, :class:`~meshd.election.election.Election`,
+:class:`~meshd.tracker.duties.TrackerDuties`) decide everything; this adapter feeds them the time
+and the gossip that arrives over peer RPC, and performs what they return: gossip messages to send,
+leases to spread, placement orders to deliver.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+
+import trio
+
+from meshd.address import Address
+from meshd.daemon.config import PeerConfig
+from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged
+from meshd.election.election import Action as ElectionAction
+from meshd.errors import ErrorCode, MeshError
+from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip.events import Action as GossipAction
+from meshd.identity import Identity
+from meshd.rpc import RpcFailed, call
+from meshd.tracker.duties import Order, TrackerDuties
+from meshd.tracker.view import MeshView
+from meshd.transport.streams import StreamOpener
+from meshd.wire import card_pb2 as cpb
+from meshd.wire import rpc_pb2 as pb
+
+log = logging.getLogger("meshd.peer")
+
+TICK_S = 0.25
+PLACEMENT_SEND_TIMEOUT_S = 5.0
+
+
+class NotTracker(MeshError):
+    """A tracker's request (a placement order) from a peer that does not hold the tracker lease."""
+
+    code = ErrorCode.NOT_TRACKER
+
+
+class ControlPlane:
+    def __init__(self, identity: Identity, config: PeerConfig, opener: StreamOpener,
+                 card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool]) -> None:
+        self.identity = identity
+        self.config = config
+        self.opener = opener
+        self.card = card
+        self.directly_reachable = directly_reachable
+        self.gossip = GossipNode.with_identity(
+            identity, card(),
+            GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
+                         suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s),
+            rng=random.Random(), card_ttl_ms=int(config.card_ttl_s * 1000),
+        )
+        for address in config.bootstrap:
+            self.gossip.add_seed(address)
+        lease = config.lease_duration_s
+        self.election = Election(
+            identity.peer_id, config.tracker_eligible,
+            ElectionConfig(lease_duration=lease, renew_interval=lease / 3, jitter_step=lease / 6,
+                           max_jitter=lease / 2),
+            identity=identity,
+        )
+        self.duties = TrackerDuties()
+        self.view = MeshView(self.gossip, clock=time.monotonic)
+        self.leaving = False
+        self.started_at = time.time()
+        self._met_mesh_at: float | None = None
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def tracker(self) -> str | None:
+        return self.election.tracker(time.time())
+
+    def takeover_bound_s(self) -> float:
+        """Longest a mesh goes without a tracker after the tracker dies (see meshd.election)."""
+        delivery = 2 * max(self.config.probe_interval_s, self.config.pushpull_interval_s)
+        return round(self.election.config.takeover_bound(TICK_S, delivery), 3)
+
+    def republish_card(self) -> None:
+        self.gossip.issuer.template = self.card()
+        self.gossip.republish(time.time())
+
+    # -- running ---------------------------------------------------------------------------------
+
+    async def run(self, on_tick: Callable[[], None], *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Tick gossip and the election until cancelled; ``on_tick`` runs after every tick."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await self.tick(time.time())
+                on_tick()
+                await trio.sleep(TICK_S)
+
+    async def tick(self, now: float) -> None:
+        await self.perform(self.gossip.tick(now))
+        alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
+        # the tracker must be directly reachable: every peer asks it for routes
+        self.election.eligible = (self.config.tracker_eligible and not self.leaving and self._joined(now)
+                                  and self.directly_reachable())
+        await self.perform(self.election.tick(now, alive_eligible))
+        if self.election.tracker(now) == self.peer_id:
+            for order in self.duties.placement_orders(self.view.offers(), now):
+                self._start(self._send_placement, order)
+
+    async def leave(self) -> None:
+        """Say goodbye by gossip; from now on this peer claims nothing."""
+        self.leaving = True
+        await self.perform(self.gossip.leave(time.time()))
+
+    def _joined(self, now: float) -> bool:
+        """A peer started with bootstrap addresses claims nothing until it has met the mesh (or given up
+        waiting), so that it does not elect itself and place its own layers in isolation."""
+        if not self.config.bootstrap:
+            return True
+        if self._met_mesh_at is None and any(s == MemberState.ALIVE for s in self.gossip.members().values()):
+            self._met_mesh_at = now
+        if self._met_mesh_at is not None:
+            # give the current tracker's lease one gossip round to arrive before competing with it
+            return now - self._met_mesh_at > 2 * self.config.pushpull_interval_s
+        return now - self.started_at > 2 * self.config.lease_duration_s
+
+    def _start(self, fn: Callable[..., object], *args: object) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+
+    async def perform(self, actions: Iterable[GossipAction | ElectionAction]) -> None:
+        now = time.time()
+        for action in actions:
+            if isinstance(action, Send):
+                self._start(self._deliver, action)
+            elif isinstance(action, LeaseReceived):
+                await self.perform(self.election.on_lease(action.signed, now))
+            elif isinstance(action, BroadcastLease):
+                self.gossip.publish_lease(action.signed, now)
+            elif isinstance(action, TrackerChanged):
+                log.info("tracker is now %s (term %d)", str(action.new)[:12], action.term)
+            elif isinstance(action, MemberChanged):
+                log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
+
+    async def _deliver(self, send: Send) -> None:
+        if isinstance(send.to, Address):
+            peer_id, address = None, str(send.to)
+        else:
+            peer_id, address = send.to, self.view.address_of(send.to)
+        if address is None:
+            return
+        started = time.monotonic()
+        try:
+            await call(self.opener, peer_id, address, pb.PeerRequest(gossip=send.message),
+                       timeout=max(1.0, self.config.probe_timeout_s * 2))
+        except RpcFailed as exc:
+            log.debug("gossip to %s failed: %s", address, exc)
+            return
+        if peer_id is not None:
+            self.view.record_rtt(peer_id, (time.monotonic() - started) * 1000, time.time())
+
+    async def _send_placement(self, order: Order) -> None:
+        address = self.view.address_of(order.peer_id)
+        if address is None:
+            return
+        try:
+            await call(self.opener, order.peer_id, address, pb.PeerRequest(placement=order.message()),
+                       timeout=PLACEMENT_SEND_TIMEOUT_S)
+        except RpcFailed as exc:
+            log.warning("placement on %s failed: %s", order.peer_id[:12], exc)
+            return
+        log.info("placed layers [%d, %d) of %s on %s", *order.layers, order.model_id, order.peer_id[:12])
+
+    # -- peer RPC handlers -----------------------------------------------------------------------
+
+    async def on_gossip(self, sender: str, message: cpb.GossipMessage) -> pb.Accepted:
+        self.view.heard_from(sender, time.time())
+        await self.perform(self.gossip.on_message(sender, message, time.time()))
+        return pb.Accepted()
+
+    async def on_route(self, sender: str, request: pb.RouteRequest) -> pb.RouteReply | pb.NoRoute:
+        return self.duties.route_reply(request, self.view.offers(), self.view.rtt_of)
+
+    def check_tracker(self, sender: str) -> None:
+        """Raise unless ``sender`` holds the tracker lease now."""
+        tracker = self.tracker()
+        if sender != tracker:
+            raise NotTracker(f"placement from {sender[:12]}, but the tracker is {str(tracker)[:12]}")

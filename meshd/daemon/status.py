@@ -1,0 +1,62 @@
+"""What ``meshctl status`` and ``meshctl peers`` show: this peer, and every peer it knows, as JSON."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from meshd import __version__
+from meshd.gossip import MemberState
+from meshd.tracker.view import relayed_through
+
+if TYPE_CHECKING:
+    from meshd.daemon.peer import Peer
+
+
+def peer_status(peer: Peer) -> dict[str, Any]:
+    now = time.time()
+    control = peer.control
+    tracker = control.election.tracker(now)
+    served = peer.served
+    host = served.host if served is not None else None
+    return {
+        "peer_id": peer.peer_id, "name": peer.config.name or peer.peer_id[:8], "version": __version__,
+        "listen": peer.bound.advertise, "api": peer.bound.api, "control": peer.bound.control,
+        "tracker": tracker, "tracker_term": control.election.term(now), "is_tracker": tracker == peer.peer_id,
+        "lease_duration_s": peer.config.lease_duration_s, "takeover_bound_s": control.takeover_bound_s(),
+        "model": served.info.model_id if served else None,
+        "compat_key": served.info.compat_key if served else None,
+        "range": list(served.range) if served and served.range else None,
+        "active_sessions": host.active_sessions if host else 0,
+        "decode_tok_s": round(served.decode_tok_s, 2) if served else 0.0,
+        "members": {p: s.name for p, s in control.gossip.members().items()},
+        "models_covered": control.view.covered_models(),
+        "rejected_cards": {str(k): v for k, v in control.gossip.rejected_cards.items()},
+        "uptime_s": round(now - control.started_at, 1),
+        "reachability": peer.reachability.status(),
+    }
+
+
+def peers_table(peer: Peer) -> list[dict[str, Any]]:
+    now = time.time()
+    control = peer.control
+    view = control.view
+    tracker = control.election.tracker(now)
+    members = control.gossip.members()
+    rows = []
+    for peer_id, card in sorted(view.cards().items()):
+        rows.append({
+            "peer_id": peer_id, "self": peer_id == peer.peer_id, "name": card.name,
+            "addresses": list(card.addresses), "relays": list(card.relay_addresses), "api": card.api_address,
+            "relayed_via": relayed_through(card), "link": peer.transport.connection_route(peer_id),
+            "tracker": peer_id == tracker,
+            "state": "self" if peer_id == peer.peer_id else members.get(peer_id, MemberState.ALIVE).name,
+            "models": [{"model_id": m.model_id, "start": m.range_start, "end": m.range_end,
+                        "n_layers": m.n_layers, "compat_key": m.compat_key,
+                        "decode_tok_s": round(m.decode_tok_s, 2)} for m in card.models],
+            "active_sessions": card.load.active_sessions, "queued": card.load.queued,
+            "rtt_ms": None if peer_id == peer.peer_id else view.rtt_ms.get(peer_id),
+            "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
+            "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
+        })
+    return rows

@@ -1,0 +1,152 @@
+"""A model's small files (config and tokenizer) for peers that do not hold the model directory.
+
+Every peer answers the API, so an entry peer needs the tokenizer of every model it routes, not only
+its own. A peer that serves a model hands out its config and tokenizer files; the peer that asks
+checks them against the compat key it routes by (the key hashes exactly these files, the adapter and
+the weights' digest), so a peer cannot hand out a tokenizer for other weights. Checked files are kept
+under the data directory by compat key, and loaded from there after a restart, checked again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from meshd.errors import ErrorCode, MeshError
+from meshd.files import write_atomically
+from meshd.rpc import RpcFailed, call
+from meshd.runtime.model_info import CONFIG_FILES, TOKENIZER_FILES, ModelInfo, compat_key_of, read_small_files
+from meshd.runtime.model_info import tokenizer_digest_of as digest_of
+from meshd.transport.streams import StreamOpener
+from meshd.wire import rpc_pb2 as pb
+
+log = logging.getLogger("meshd.models")
+
+FETCH_TIMEOUT_S = 10.0
+SOURCE_FILE = "meshd-source.json"  # architecture and weights digest that, with the files, give the compat key
+ALLOWED_FILES = frozenset((*CONFIG_FILES, *TOKENIZER_FILES))
+
+Sources = Callable[[str], list[tuple[str, str]]]
+"""``sources(compat_key)``: (peer id, address) of peers that serve that compat key, best first."""
+
+
+class UnknownModel(MeshError):
+    """This peer does not serve the model asked for."""
+
+    code = ErrorCode.UNKNOWN_MODEL
+
+
+class ModelFilesUnavailable(MeshError):
+    """No peer handed out files that match the compat key."""
+
+    code = ErrorCode.NO_ROUTE
+
+
+def check_files(files: dict[str, bytes], architecture: str, weights_digest: str, compat_key: str) -> None:
+    """Raise unless ``files`` are exactly what ``compat_key`` commits to (and only files we know)."""
+    unexpected = set(files) - ALLOWED_FILES
+    if unexpected:
+        raise ModelFilesUnavailable(f"unexpected files {sorted(unexpected)}")
+    got = compat_key_of(architecture, digest_of(files), weights_digest)
+    if got != compat_key:
+        raise ModelFilesUnavailable(f"the files hash to compat key {got}, expected {compat_key}")
+
+
+class ModelFilesCache:
+    """Tokenizers by compat key: this peer's own model's, or files fetched from a serving peer."""
+
+    def __init__(self, data_dir: Path, local: ModelInfo | None, opener: StreamOpener) -> None:
+        self.root = Path(data_dir) / "models"
+        self.local = local
+        self.opener = opener
+        self._tokenizers: dict[str, Any] = {}
+        self._locks: dict[str, trio.Lock] = {}
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    async def serve(self, sender: str, request: pb.ModelFilesRequest) -> pb.ModelFiles:
+        local = self.local
+        if local is None or request.model_id != local.model_id:
+            raise UnknownModel(f"this peer does not serve {request.model_id!r}")
+        if request.compat_key and request.compat_key != local.compat_key:
+            raise UnknownModel(f"this peer serves {local.model_id} with compat key {local.compat_key}")
+        files = await trio.to_thread.run_sync(read_small_files, local.model_dir)
+        return pb.ModelFiles(files=files, architecture=local.architecture, weights_digest=local.weights_digest)
+
+    # -- asking ----------------------------------------------------------------------------------
+
+    async def tokenizer_for(self, model_id: str, compat_key: str, sources: Sources) -> Any:
+        tokenizer = self._tokenizers.get(compat_key)
+        if tokenizer is not None:
+            return tokenizer
+        async with self._locks.setdefault(compat_key, trio.Lock()):
+            tokenizer = self._tokenizers.get(compat_key)
+            if tokenizer is None:
+                directory = await self._directory_for(model_id, compat_key, sources)
+                tokenizer = await trio.to_thread.run_sync(_load_tokenizer, directory)
+                self._tokenizers[compat_key] = tokenizer
+        return tokenizer
+
+    async def _directory_for(self, model_id: str, compat_key: str, sources: Sources) -> Path:
+        if self.local is not None and self.local.compat_key == compat_key:
+            return self.local.model_dir
+        stored = self.root / compat_key
+        if await trio.to_thread.run_sync(_stored_is_valid, stored, compat_key):
+            return stored
+        last: Exception | None = None
+        for peer_id, address in sources(compat_key):
+            request = pb.PeerRequest(model_files=pb.ModelFilesRequest(model_id=model_id, compat_key=compat_key))
+            try:
+                reply = await call(self.opener, peer_id, address, request, timeout=FETCH_TIMEOUT_S)
+                if reply.WhichOneof("body") != "model_files":
+                    raise ModelFilesUnavailable(f"answered {reply.WhichOneof('body')!r}")
+                got = reply.model_files
+                files = dict(got.files)
+                check_files(files, got.architecture, got.weights_digest, compat_key)
+            except (RpcFailed, ModelFilesUnavailable) as exc:
+                log.warning("model files of %s from %s refused: %s", model_id, peer_id[:12], exc)
+                last = exc
+                continue
+            await trio.to_thread.run_sync(_store, stored, files, got.architecture, got.weights_digest)
+            log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
+            return stored
+        raise ModelFilesUnavailable(f"no peer handed out the files of {model_id} ({compat_key})") from last
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def _stored_is_valid(directory: Path, compat_key: str) -> bool:
+    source = directory / SOURCE_FILE
+    if not source.is_file():
+        return False
+    try:
+        doc = json.loads(source.read_text())
+        files = read_small_files(directory)
+        check_files(files, str(doc["architecture"]), str(doc["weights_digest"]), compat_key)
+    except (OSError, ValueError, KeyError, ModelFilesUnavailable) as exc:
+        log.warning("stored files for %s are not usable (%s); fetching them again", compat_key, exc)
+        return False
+    return True
+
+
+def _store(directory: Path, files: dict[str, bytes], architecture: str, weights_digest: str) -> None:
+    """Write checked files into a staging directory, then move it into place whole."""
+    staging = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name, data in files.items():
+        write_atomically(staging / name, data)
+    write_atomically(staging / SOURCE_FILE, json.dumps({"architecture": architecture,
+                                                        "weights_digest": weights_digest}))
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)

@@ -1,0 +1,130 @@
+"""Peer RPC: one ``PeerRequest`` out, one ``PeerReply`` back, dispatched by the kind of request.
+
+Every request between peers that is not part of a session (gossip, routes, placement orders, model
+files, dial-back tests) travels on its own ``/meshd/rpc`` stream as protobuf. The responder keeps a
+table of handlers keyed by the request body's kind; a handler gets the proven sender and the body,
+and returns the reply body. A refusal is a :class:`~meshd.errors.MeshError`, answered as an
+``RpcError`` with its code; the caller gets it back as :class:`RpcFailed` with the same code, so no
+side ever compares prose.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from google.protobuf.message import DecodeError, Message
+
+from meshd.address import Address
+from meshd.errors import ErrorCode, MeshError, RemoteError
+from meshd.transport.errors import TransportError
+from meshd.transport.streams import MessageStream, StreamOpener
+from meshd.wire import rpc_pb2 as pb
+
+log = logging.getLogger("meshd.rpc")
+
+RPC_PATH = "/meshd/rpc"
+REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
+
+Handler = Callable[[str, Any], Awaitable[Message]]
+"""``handler(sender peer id, request body) -> reply body`` (a message that fits ``PeerReply.body``)."""
+
+_REPLY_FIELDS = {field.message_type.full_name: field.name for field in pb.PeerReply.DESCRIPTOR.oneofs_by_name[
+    "body"].fields}
+REQUEST_KINDS = tuple(field.name for field in pb.PeerRequest.DESCRIPTOR.oneofs_by_name["body"].fields)
+
+
+class RpcFailed(RemoteError):
+    """The peer answered with an error, or could not be asked at all (``UNREACHABLE``)."""
+
+
+def reply_of(body: Message) -> pb.PeerReply:
+    """Wrap a reply body (``RouteReply``, ``Accepted`` ...) in a ``PeerReply``."""
+    field = _REPLY_FIELDS.get(body.DESCRIPTOR.full_name)
+    if field is None:
+        raise TypeError(f"{body.DESCRIPTOR.full_name} is not a kind of PeerReply")
+    reply = pb.PeerReply()
+    getattr(reply, field).CopyFrom(body)
+    return reply
+
+
+def error_reply(code: ErrorCode, message: str) -> pb.PeerReply:
+    return pb.PeerReply(error=pb.RpcError(code=code.value, message=message))
+
+
+class RpcRouter:
+    """The responder's table of handlers, one per kind of ``PeerRequest``."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+        self.served: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+
+    def register(self, kind: str, handler: Handler) -> None:
+        if kind not in REQUEST_KINDS:
+            raise ValueError(f"{kind!r} is not a kind of PeerRequest ({', '.join(REQUEST_KINDS)})")
+        if kind in self._handlers:
+            raise ValueError(f"a handler for {kind!r} is already registered")
+        self._handlers[kind] = handler
+
+    async def dispatch(self, sender: str, request: pb.PeerRequest) -> pb.PeerReply:
+        """The reply to one request; never raises for anything the request or its handler did."""
+        kind = request.WhichOneof("body")
+        handler = self._handlers.get(kind) if kind is not None else None
+        if handler is None:
+            self.refused[str(kind)] = self.refused.get(str(kind), 0) + 1
+            return error_reply(ErrorCode.BAD_REQUEST, f"this peer does not answer {kind!r} requests")
+        try:
+            reply = reply_of(await handler(sender, getattr(request, kind)))
+        except MeshError as exc:
+            log.info("%s request from %s refused: %s", kind, sender[:12], exc)
+            self.refused[kind] = self.refused.get(kind, 0) + 1
+            return error_reply(exc.code, str(exc))
+        except Exception:
+            log.exception("%s request from %s failed", kind, sender[:12])
+            self.refused[kind] = self.refused.get(kind, 0) + 1
+            return error_reply(ErrorCode.INTERNAL_ERROR, f"{kind} failed on this peer")
+        self.served[kind] = self.served.get(kind, 0) + 1
+        return reply
+
+    async def serve(self, stream: MessageStream) -> None:
+        """Answer the one request on ``stream``; a stream that is not exactly one message is reset."""
+        with trio.move_on_after(REQUEST_WAIT_S):
+            body = await stream.receive_message()
+            # The requester ends its side right after its one message; wait for that before replying,
+            # so that finishing this handler never has to reset a stream the peer is still closing.
+            extra = await stream.receive_message() if body is not None else None
+            if body is not None and extra is None:
+                request = pb.PeerRequest()
+                try:
+                    request.ParseFromString(body)
+                except DecodeError:
+                    reply = error_reply(ErrorCode.BAD_REQUEST, "the request does not parse as a PeerRequest")
+                else:
+                    reply = await self.dispatch(stream.peer_id, request)
+                await stream.send_message(reply.SerializeToString())
+                await stream.end()
+                return
+        await stream.reset()
+
+
+async def call(opener: StreamOpener, peer_id: str | None, address: Address | str, request: pb.PeerRequest,
+               timeout: float) -> pb.PeerReply:
+    """Ask one peer; the reply's body, or :class:`RpcFailed` (the peer's error, or ``UNREACHABLE``)."""
+    target = peer_id or str(address)
+    try:
+        raw = await opener.request(peer_id, address, RPC_PATH, request.SerializeToString(), timeout=timeout)
+    except (TransportError, OSError, trio.BrokenResourceError) as exc:
+        raise RpcFailed(ErrorCode.UNREACHABLE, f"cannot ask {target[:12]}: {exc}", peer_id or "") from exc
+    reply = pb.PeerReply()
+    try:
+        reply.ParseFromString(raw)
+    except DecodeError:
+        raise RpcFailed(ErrorCode.PROTOCOL, "the reply does not parse as a PeerReply", peer_id or "") from None
+    if reply.WhichOneof("body") == "error":
+        raise RpcFailed(ErrorCode.parse(reply.error.code), reply.error.message, peer_id or "")
+    if reply.WhichOneof("body") is None:
+        raise RpcFailed(ErrorCode.PROTOCOL, "the reply carries nothing", peer_id or "")
+    return reply

@@ -1,0 +1,78 @@
+"""The model this peer offers, and the one shard of it that it loads: placement, loading, speed.
+
+A peer offers one model directory. Its range comes from the operator (``--layers``) or from the
+tracker's placement order; either way it loads once, measures how fast it decodes its range, and
+from then on its capability card says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from meshd.errors import ErrorCode, MeshError
+from meshd.runtime.host import ShardHost
+from meshd.runtime.model_info import ModelInfo
+from meshd.runtime.speed_probe import measure_decode_tok_s
+from meshd.wire import card_pb2 as cpb
+from meshd.wire import rpc_pb2 as rpb
+
+log = logging.getLogger("meshd.runtime")
+
+
+class PlacementRefused(MeshError):
+    """A placement order this peer cannot follow (another model or compat key, a range outside it)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class ServedModel:
+    def __init__(self, info: ModelInfo, host: ShardHost, pinned: tuple[int, int] | None = None,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.info = info
+        self.host = host
+        self.pinned = pinned
+        self.on_change = on_change
+        self.decode_tok_s = 0.0
+        self.load_started = False
+
+    @property
+    def range(self) -> tuple[int, int] | None:
+        """The loaded range; None until loading finished."""
+        return self.host.range
+
+    def card_entry(self) -> cpb.ModelServed:
+        """This model's entry in the capability card."""
+        info = self.info
+        loaded = self.host.range
+        start = loaded[0] if loaded else (self.pinned[0] if self.pinned else 0)
+        return cpb.ModelServed(
+            model_id=info.model_id, compat_key=info.compat_key, n_layers=info.n_layers, range_start=start,
+            range_end=loaded[1] if loaded else 0, decode_tok_s=self.decode_tok_s, pinned=self.pinned is not None,
+            layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes, context_length=info.context_length,
+        )
+
+    def accept(self, order: rpb.PlacementOrder) -> tuple[int, int] | None:
+        """Check a placement order; the range to load now, or None when loading already started."""
+        info = self.info
+        if order.model_id != info.model_id:
+            raise PlacementRefused(f"placement for {order.model_id!r}; this peer offers {info.model_id!r}")
+        if order.compat_key != info.compat_key:
+            raise PlacementRefused(f"placement for compat key {order.compat_key}; this peer has {info.compat_key}")
+        start, end = order.range.start, order.range.end
+        if not 0 <= start < end <= info.n_layers:
+            raise PlacementRefused(f"placement range [{start}, {end}) is outside the model's {info.n_layers} layers")
+        if self.pinned is not None:
+            raise PlacementRefused(f"this peer's range is pinned to {list(self.pinned)}")
+        if self.load_started:
+            return None
+        self.load_started = True
+        return start, end
+
+    async def load(self, start: int, end: int) -> None:
+        """Load ``[start, end)``, measure its decode speed, and tell the card."""
+        self.load_started = True
+        await self.host.load(start, end)
+        self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())
+        log.info("layers [%d, %d) decode at %.1f tok/s on this peer", start, end, self.decode_tok_s)
+        self.on_change()

@@ -1,0 +1,98 @@
+"""The tracker role's duties: answer route requests and place peers that wait for a range.
+
+Whichever peer holds the tracker lease runs these; any eligible peer can take over, because every
+decision is computed from the gossip view alone. Both duties are pure: ``route_reply`` turns a
+request and the view into the reply, and ``placement_orders`` says which orders to send now. The
+daemon performs what they return.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from meshd.tracker.placement import place
+from meshd.tracker.routing import NoRouteError, plan_route
+from meshd.tracker.view import Hop, HopTerms, Route, ShardOffer
+from meshd.wire import rpc_pb2 as pb
+
+PLACEMENT_RETRY_S = 30.0  # an order that did not lead to a loaded range is sent again after this
+
+
+def route_to_reply(route: Route) -> pb.RouteReply:
+    return pb.RouteReply(
+        model_id=route.model_id, compat_key=route.compat_key, epoch=route.epoch, cost_ms=route.cost_ms,
+        hops=[pb.RouteHop(peer_id=t.peer_id, start=t.start, end=t.end, compute_ms=t.compute_ms, seam_ms=t.seam_ms,
+                          hop_ms=t.hop_ms, load_factor=t.load_factor) for t in route.terms],
+    )
+
+
+def route_from_reply(reply: pb.RouteReply) -> Route:
+    """A route as a tracker sent it; one that does not tile its layers contiguously is refused."""
+    hops = tuple(Hop(h.peer_id, h.start, h.end) for h in reply.hops)
+    if not hops or hops[0].start != 0 or any(a.end != b.start for a, b in itertools.pairwise(hops)):
+        raise ValueError("the route does not tile its layers contiguously from 0")
+    if any(h.end <= h.start for h in hops):
+        raise ValueError("the route has an empty hop")
+    terms = tuple(HopTerms(peer_id=h.peer_id, start=h.start, end=h.end, compute_ms=h.compute_ms, seam_ms=h.seam_ms,
+                           hop_ms=h.hop_ms, load_factor=h.load_factor) for h in reply.hops)
+    return Route(model_id=reply.model_id, compat_key=reply.compat_key, hops=hops, epoch=reply.epoch,
+                 cost_ms=reply.cost_ms, terms=terms)
+
+
+def no_route_reply(exc: NoRouteError) -> pb.NoRoute:
+    return pb.NoRoute(model_id=exc.model_id, missing=[pb.LayerRange(start=s, end=e) for s, e in exc.missing])
+
+
+@dataclass(frozen=True)
+class Order:
+    """A placement order to send: ``peer_id`` should load ``layers`` of the model."""
+
+    peer_id: str
+    model_id: str
+    compat_key: str
+    layers: tuple[int, int]
+
+    def message(self) -> pb.PlacementOrder:
+        return pb.PlacementOrder(model_id=self.model_id, compat_key=self.compat_key,
+                                 range=pb.LayerRange(start=self.layers[0], end=self.layers[1]))
+
+
+@dataclass
+class TrackerDuties:
+    retry_s: float = PLACEMENT_RETRY_S
+    _orders: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)  # peer -> (range, sent at)
+    _epochs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def next_epoch(self) -> int:
+        return next(self._epochs)
+
+    def route_reply(self, request: pb.RouteRequest, offers: Iterable[ShardOffer],
+                    rtt_ms: Callable[[str], float | None]) -> pb.RouteReply | pb.NoRoute:
+        try:
+            route = plan_route(request.model_id, offers, rtt_ms, epoch=self.next_epoch(),
+                               exclude=frozenset(request.exclude), keep=frozenset(request.keep))
+        except NoRouteError as exc:
+            return no_route_reply(exc)
+        return route_to_reply(route)
+
+    def placement_orders(self, offers: Iterable[ShardOffer], now: float) -> list[Order]:
+        """Orders for the peers that wait for a range and were not sent one recently."""
+        by_model: dict[tuple[str, str], list[ShardOffer]] = {}
+        for offer in offers:
+            by_model.setdefault((offer.model_id, offer.compat_key), []).append(offer)
+        orders = []
+        for (model_id, compat_key), group in sorted(by_model.items()):
+            if not any(o.range is None and not self._recently_ordered(o.peer_id, now) for o in group):
+                continue
+            pending = {p: layers for p, (layers, sent) in self._orders.items() if now - sent < self.retry_s}
+            view = [o.placed(pending[o.peer_id]) if o.range is None and o.peer_id in pending else o for o in group]
+            for peer_id, layers in sorted(place(view).items()):
+                self._orders[peer_id] = (layers, now)
+                orders.append(Order(peer_id, model_id, compat_key, layers))
+        return orders
+
+    def _recently_ordered(self, peer_id: str, now: float) -> bool:
+        order = self._orders.get(peer_id)
+        return order is not None and now - order[1] < self.retry_s

@@ -1,0 +1,157 @@
+from meshd.wire import card_pb2 as _card_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LayerRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model_id", "exclude", "keep")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    exclude: _containers.RepeatedScalarFieldContainer[str]
+    keep: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., keep: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteHop(_message.Message):
+    __slots__ = ("peer_id", "start", "end", "compute_ms", "seam_ms", "hop_ms", "load_factor")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    SEAM_MS_FIELD_NUMBER: _ClassVar[int]
+    HOP_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    start: int
+    end: int
+    compute_ms: float
+    seam_ms: float
+    hop_ms: float
+    load_factor: float
+    def __init__(self, peer_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., compute_ms: _Optional[float] = ..., seam_ms: _Optional[float] = ..., hop_ms: _Optional[float] = ..., load_factor: _Optional[float] = ...) -> None: ...
+
+class RouteReply(_message.Message):
+    __slots__ = ("model_id", "compat_key", "epoch", "cost_ms", "hops")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COST_MS_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    epoch: int
+    cost_ms: float
+    hops: _containers.RepeatedCompositeFieldContainer[RouteHop]
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., epoch: _Optional[int] = ..., cost_ms: _Optional[float] = ..., hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ...) -> None: ...
+
+class NoRoute(_message.Message):
+    __slots__ = ("model_id", "missing")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    missing: _containers.RepeatedCompositeFieldContainer[LayerRange]
+    def __init__(self, model_id: _Optional[str] = ..., missing: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
+
+class PlacementOrder(_message.Message):
+    __slots__ = ("model_id", "compat_key", "range")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    range: LayerRange
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelFilesRequest(_message.Message):
+    __slots__ = ("model_id", "compat_key")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ...) -> None: ...
+
+class ModelFiles(_message.Message):
+    __slots__ = ("files", "architecture", "weights_digest")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    architecture: str
+    weights_digest: str
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., architecture: _Optional[str] = ..., weights_digest: _Optional[str] = ...) -> None: ...
+
+class DialbackRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class DialbackReply(_message.Message):
+    __slots__ = ("dialable", "error")
+    DIALABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    dialable: bool
+    error: str
+    def __init__(self, dialable: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RpcError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PeerRequest(_message.Message):
+    __slots__ = ("gossip", "route", "placement", "model_files", "dialback")
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
+    DIALBACK_FIELD_NUMBER: _ClassVar[int]
+    gossip: _card_pb2.GossipMessage
+    route: RouteRequest
+    placement: PlacementOrder
+    model_files: ModelFilesRequest
+    dialback: DialbackRequest
+    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ...) -> None: ...
+
+class PeerReply(_message.Message):
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
+    DIALBACK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    accepted: Accepted
+    route: RouteReply
+    no_route: NoRoute
+    model_files: ModelFiles
+    dialback: DialbackReply
+    error: RpcError
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ...) -> None: ...
