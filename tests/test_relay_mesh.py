@@ -6,12 +6,14 @@ re-register by themselves."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from meshd.daemon.local_mesh import LocalMesh
 from tests.helpers import chat_reference
 from tests.test_mesh import N_TOKENS, QUESTION, chat, meshctl
+from tests.test_repair import Generation, References
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +34,16 @@ def reference(tiny_model):
     return chat_reference(tiny_model, QUESTION, N_TOKENS)
 
 
-def peer_row(viewer, peer_id: str) -> dict:
-    return next(r for r in viewer.get("/peers")["peers"] if r["peer_id"] == peer_id)
+def peer_row(viewer, peer_id: str) -> dict | None:
+    """The viewer's row for ``peer_id``; None while the viewer does not know it yet."""
+    return next((r for r in viewer.get("/peers")["peers"] if r["peer_id"] == peer_id), None)
 
 
 def test_a_relayed_peer_serves_its_range_token_identical(relayed, reference):
     mesh, relay = relayed
     direct, hidden = mesh.peers[0], mesh.peers[1]
     row = peer_row(direct, hidden.peer_id)
-    assert row["addresses"] == [] and row["relays"] == [f"relay:{relay.address}"]
+    assert row is not None and row["addresses"] == [] and row["relays"] == [f"relay:{relay.address}"]
     assert row["relayed_via"] == row["relays"]
     table = meshctl(direct, "peers")
     assert f"relay {relay.address}" in table.stdout, table.stdout
@@ -57,13 +60,13 @@ def test_a_relayed_peer_serves_its_range_token_identical(relayed, reference):
     assert metrics["meshd_relay_registered_peers"] >= 1
     assert metrics["meshd_relay_circuits_total"] >= 1
     assert metrics['meshd_relay_bytes_relayed_total{direction="to_peer"}'] > 0
-    assert peer_row(direct, hidden.peer_id)["link"] == "relay"
+    assert (peer_row(direct, hidden.peer_id) or {}).get("link") == "relay"
 
 
 def test_a_peer_that_passes_the_dial_back_test_goes_direct(relayed):
     mesh, relay = relayed
     auto = mesh.start_peer(extra=["--relay", relay.address])  # auto with a relay: relayed until verified
-    mesh.wait_until(lambda: peer_row(mesh.peers[0], auto.peer_id)["addresses"] == [auto.listen], 30,
+    mesh.wait_until(lambda: (peer_row(mesh.peers[0], auto.peer_id) or {}).get("addresses") == [auto.listen], 60,
                     "the auto peer to advertise its verified address")
     status = auto.get("/status")["reachability"]
     assert status["mode"] == "auto" and status["dialable"] is True
@@ -78,12 +81,35 @@ def test_relay_restart_peers_re_register_and_sessions_succeed(relayed, reference
                     "the relayed peer to notice the relay is gone")
     again = mesh.start_relay(port=relay.port)
     mesh.wait_until(lambda: again.metrics()["meshd_relay_registered_peers"] >= 1, 30, "re-registration")
-    mesh.wait_until(lambda: peer_row(direct, hidden.peer_id)["relays"] == [f"relay:{again.address}"]
+    mesh.wait_until(lambda: (peer_row(direct, hidden.peer_id) or {}).get("relays") == [f"relay:{again.address}"]
                     and "tiny" in direct.get("/status")["models_covered"], 30, "the relay address back in the card")
     assert hidden.get("/status")["reachability"]["relays"][0]["registrations"] >= 2
     text, _ = chat(direct, stream=False)
     assert text == reference
     assert again.metrics()["meshd_relay_circuits_total"] >= 1
+
+
+def test_a_relay_killed_mid_stream_and_restarted_costs_a_pause_not_the_reply(relayed, tiny_model):
+    mesh, _relay = relayed
+    direct, hidden = mesh.peers[0], mesh.peers[1]
+    relay = mesh.relays[-1]  # the live one: an earlier test may have restarted it
+    n = 600
+    expected = References(tiny_model).text(0, n)
+    repairs = direct.log_path.read_text().count("repaired (")
+    generation = Generation(direct.api, 0, n)
+    generation.start()
+    mesh.wait_until(lambda: generation.chunks >= 20 or not generation.is_alive(), 60, "the reply to start")
+    mesh.kill_relay(relay)
+    cut_at = generation.chunks
+    time.sleep(1.0)
+    mesh.start_relay(port=relay.port)
+    generation.join(180)
+    assert not generation.is_alive() and generation.error is None, generation.error
+    assert cut_at < n, "the reply was complete before the relay went"
+    assert generation.text == expected
+    assert generation.usage is not None and generation.usage.completion_tokens == n
+    assert direct.log_path.read_text().count("repaired (") > repairs
+    assert hidden.get("/status")["reachability"]["relays"][0]["registered"] is True
 
 
 def test_bench_relay_writes_seam_percentiles_and_the_compression_tradeoff(tmp_path):

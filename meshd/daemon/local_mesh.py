@@ -186,6 +186,12 @@ class LocalMesh:
         relay.port, relay.metrics_port = ports["port"], ports["metrics_port"]
         return relay
 
+    def kill_relay(self, relay: LocalRelay) -> None:
+        """SIGKILL a relay this mesh started, and reap it."""
+        if relay.process.poll() is None:
+            relay.process.kill()
+            relay.process.wait(timeout=10)
+
     def stop_relay(self, relay: LocalRelay, grace: float = 10.0) -> None:
         if relay.process.poll() is None:
             relay.process.send_signal(signal.SIGTERM)
@@ -212,19 +218,23 @@ class LocalMesh:
     def live(self) -> list[LocalPeer]:
         return [p for p in self.peers if p.process.poll() is None]
 
-    def wait_until(self, predicate, timeout: float, what: str, interval: float = 0.2):
+    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+        """Poll ``predicate`` until it returns something true; an exception it raises counts as "not
+        yet" (a peer still starting, a row not there yet) and is reported if the wait times out."""
         deadline = time.monotonic() + timeout
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             try:
                 result = predicate()
+            except Exception as exc:
+                last_error = exc
+            else:
                 if result:
                     return result
-            except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
-                last_error = exc
             time.sleep(interval)
         logs = "\n".join(f"--- peer{p.index}\n{p.log_tail(15)}" for p in self.peers)
-        raise LocalMeshError(f"timed out after {timeout:.0f}s waiting for {what} ({last_error})\n{logs}")
+        raise LocalMeshError(f"timed out after {timeout:.0f}s waiting for {what} "
+                             f"(last error: {last_error!r})\n{logs}")
 
     def wait_covered(self, model_id: str, timeout: float = 60.0) -> None:
         """Until every live peer sees ``model_id`` completely covered and knows every live peer."""

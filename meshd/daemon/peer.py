@@ -128,7 +128,6 @@ class Peer:
         self.control.republish_card()
 
     def _on_tick(self) -> None:
-        self.hops.purge_retained()
         now = time.monotonic()
         if self.served is not None and now - self._card_checked > CARD_REFRESH_S:
             self._card_checked = now
@@ -211,6 +210,7 @@ class Peer:
                     if self.served is not None and cfg.layers is not None:
                         nursery.start_soon(self.served.load, *cfg.layers)
                     await nursery.start(self.control.run, self._on_tick)
+                    await nursery.start(self.hops.run)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
                     log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, self.bound.advertise,
                              self.bound.api, self.bound.control)

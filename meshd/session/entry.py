@@ -35,7 +35,7 @@ from meshd.session.attempt import (
     StreamBroken,
     StreamEnded,
 )
-from meshd.session.repair import RepairConfig, RepairPolicy, Reroute
+from meshd.session.repair import RepairConfig, RepairPolicy
 from meshd.tracker.routing import NoRouteError
 from meshd.tracker.view import Route
 from meshd.transport.errors import TransportError
@@ -66,8 +66,9 @@ class RouteSource(Protocol):
     """Where an entry's routes come from, and what it learns about peers while using them."""
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
-                        keep: frozenset[str] = frozenset()) -> PlannedRoute:
-        """The best route now; :class:`~meshd.tracker.routing.NoRouteError` when none covers the model."""
+                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> PlannedRoute:
+        """The best route now without ``exclude``, with as few of ``avoid`` as it can, favouring ``keep``;
+        :class:`~meshd.tracker.routing.NoRouteError` when none covers the model."""
         ...
 
     def is_alive(self, peer_id: str) -> bool: ...
@@ -249,8 +250,7 @@ class EntrySessions:
         planned: PlannedRoute | None = first
         while len(generated) < gen.max_new_tokens:
             if planned is None:
-                excluded, keep = policy.exclusions(trio.current_time())
-                planned = await self._plan(gen, policy, excluded, keep, len(generated), deadline)
+                planned = await self._plan(gen, policy, len(generated), deadline)
             epoch, resume_from, unchanged = policy.begin(planned.route)
             route = replace(planned.route, epoch=epoch)
             plan = SessionPlan(
@@ -283,19 +283,20 @@ class EntrySessions:
             failure = outcome.failure
             if gen.eos_token_id is not None and generated and generated[-1] == gen.eos_token_id:
                 return
-            reroute: Reroute = policy.on_failure(failure, len(generated), route, trio.current_time())
-            if reroute.unreachable is not None:
-                self.routes.mark_unreachable(reroute.unreachable)
+            unreachable = policy.on_failure(failure, len(generated), route, trio.current_time())
+            if unreachable is not None:
+                self.routes.mark_unreachable(unreachable)
             log.info("session %s epoch %d on %s failed after %d tokens (%s); repairing", gen.session_id, epoch,
                      route.describe(), len(generated), policy.cause)
             planned = None
 
-    async def _plan(self, gen: Generation, policy: RepairPolicy, excluded: frozenset[str], keep: frozenset[str],
-                    generated: int, deadline: float) -> PlannedRoute:
+    async def _plan(self, gen: Generation, policy: RepairPolicy, generated: int, deadline: float) -> PlannedRoute:
         """The next route, waiting (with the policy's backoff) while none covers the model."""
         while True:
+            choice = policy.choice(trio.current_time())
             try:
-                return await self.routes.route_for(gen.model_id, exclude=excluded, keep=keep)
+                return await self.routes.route_for(gen.model_id, exclude=choice.exclude, keep=choice.keep,
+                                                   avoid=choice.avoid)
             except NoRouteError as exc:
                 wait = policy.on_no_route(gen.model_id, exc.missing, generated, trio.current_time())
             if wait.until >= deadline:
@@ -304,7 +305,6 @@ class EntrySessions:
             log.info("session %s: %s; asking again in %.2fs", gen.session_id, wait.cause,
                      wait.until - trio.current_time())
             await trio.sleep_until(wait.until)
-            excluded, keep = policy.exclusions(trio.current_time())
 
     async def _attempt_task(self, plan: SessionPlan, send: trio.MemorySendChannel[int], outcome: _Outcome,
                             deadline: float, task_status: trio.TaskStatus[trio.CancelScope]) -> None:

@@ -46,6 +46,7 @@ log = logging.getLogger("meshd.session")
 OPEN_WAIT_S = 30.0  # how long a new stream may take to send its SessionOpen
 RESULTS_WAIT_S = 10.0  # how long the tail waits for the entry's results stream before failing the session
 STATS_WINDOW = 20000
+PURGE_INTERVAL_S = 0.25  # how often kept KV is checked for an expired grace
 
 
 def _window() -> deque[float]:
@@ -159,6 +160,13 @@ class HopService:
     def purge_retained(self) -> None:
         """Release the KV of failed sessions whose grace for a repair is over."""
         self._release(self.book.expired(self.clock()))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Release kept KV as its grace runs out, until cancelled."""
+        task_status.started()
+        while True:
+            await trio.sleep(PURGE_INTERVAL_S)
+            self.purge_retained()
 
     def _release(self, keys: list[SessionKey]) -> None:
         if self.host is not None:

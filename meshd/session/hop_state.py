@@ -214,12 +214,13 @@ class HopBook:
         """Keep the previous epoch's KV when every hop up to this one is unchanged: how many tokens of
         the session need no recomputing here (0: compute everything), and keys to release."""
         released = self.expired(now)
-        if open_.hop_index >= open_.unchanged_prefix:
-            return 0, released
         old = (open_.session_id, open_.resume_from_epoch)
         new = (open_.session_id, open_.epoch)
-        if old not in self._retained:
+        if old not in self._retained or old == new:
             return 0, released
+        if open_.hop_index >= open_.unchanged_prefix:  # a new epoch that cannot use the old one's KV
+            del self._retained[old]
+            return 0, released + self.forget(old)
         is_tail = open_.hop_index == len(open_.hops) - 1
         outputs = self._outputs.get(old)
         # the last prompt token is always recomputed, so that the tail has logits to sample from

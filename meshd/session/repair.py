@@ -8,6 +8,9 @@ far, and goes on. Hops before the first changed one keep their KV (``unchanged_p
   peer out of this generation's routes for ``blame_s``; a peer that failed (unreachable, a closed
   seam, declared dead) is also reported unreachable, so other generations avoid it too. A cache miss
   or position mismatch is no fault of the peer that reports it: nobody is blamed.
+- Stalls. A step timeout names nobody: every peer of the stalled route is avoided for ``blame_s``,
+  so the next route replaces as many of them as the mesh can (the stalled peer among them, when
+  another peer holds its layers).
 - Re-route. Each failure starts a new attempt at once, on the best route without the blamed peers,
   while attempts (``attempts``) and time (``budget_s`` since the first failure) remain.
 - Coverage. When no complete route exists, a generation that has started waits for the missing
@@ -72,14 +75,13 @@ class RepairFailed(MeshError):
 
 
 @dataclass(frozen=True)
-class Reroute:
-    """Plan a route without ``exclude`` (favouring ``keep``) and start the next attempt on it now.
-
-    ``unreachable`` is the peer to report unreachable to the rest of this peer, if any."""
+class RouteChoice:
+    """What the next route must and should be: without ``exclude``, with as few of ``avoid`` as it
+    can, favouring ``keep`` (the peers that hold the session's KV)."""
 
     exclude: frozenset[str]
     keep: frozenset[str]
-    unreachable: str | None = None
+    avoid: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class RepairPolicy:
     cause: str = ""
     refusals: list[str] = field(default_factory=list)
     _blamed: dict[str, float] = field(default_factory=dict)  # peer -> excluded until
+    _suspected: dict[str, float] = field(default_factory=dict)  # peer -> avoided until
     _previous: Route | None = None
     _started_any: bool = False
     _waits: int = 0
@@ -106,11 +109,13 @@ class RepairPolicy:
 
     # -- starting attempts ----------------------------------------------------------------------------
 
-    def exclusions(self, now: float) -> tuple[frozenset[str], frozenset[str]]:
-        """The peers to exclude (blamed recently) and to keep (the last route's others) for the next plan."""
+    def choice(self, now: float) -> RouteChoice:
+        """The next plan: without the peers blamed recently, avoiding the suspected ones, keeping the
+        last route's others."""
         excluded = frozenset(p for p, until in self._blamed.items() if until > now)
+        avoid = frozenset(p for p, until in self._suspected.items() if until > now) - excluded
         keep = frozenset(h.peer_id for h in self._previous.hops) - excluded if self._previous else frozenset()
-        return excluded, keep
+        return RouteChoice(exclude=excluded, keep=keep, avoid=avoid)
 
     def begin(self, route: Route) -> tuple[int, int, int]:
         """An attempt starts on ``route``: its epoch, the epoch it may resume from, and how many leading
@@ -132,8 +137,10 @@ class RepairPolicy:
 
     # -- outcomes -----------------------------------------------------------------------------------
 
-    def on_failure(self, failure: SessionFailed, generated: int, route: Route, now: float) -> Reroute:
-        """An attempt failed after ``generated`` tokens in all: blame, then re-route (or raise)."""
+    def on_failure(self, failure: SessionFailed, generated: int, route: Route, now: float) -> str | None:
+        """An attempt failed after ``generated`` tokens in all: blame, so that the next plan routes
+        around the fault (or raise when the repair is out of attempts or time). Returns the peer to
+        report unreachable to the rest of this peer, if any."""
         self.cause = f"{failure.code}: {failure.message}"
         if self.repairing_since is None:
             self.repairing_since = now
@@ -147,9 +154,13 @@ class RepairPolicy:
             self._blamed[blamed] = now + self.config.blame_s
             if failure.code not in REFUSALS:
                 unreachable = blamed
+        elif failure.code == ErrorCode.STEP_TIMEOUT:
+            # a stalled route names nobody: avoid all of its peers, so that the next route replaces
+            # as many of them as the mesh allows, and one stall cannot repeat on the same peers
+            for hop in route.hops:
+                self._suspected[hop.peer_id] = now + self.config.blame_s
         self._check_budget(generated, now)
-        excluded, keep = self.exclusions(now)
-        return Reroute(exclude=excluded, keep=keep, unreachable=unreachable)
+        return unreachable
 
     def on_no_route(self, model_id: str, missing: Sequence[tuple[int, int]], generated: int, now: float) -> Wait:
         """The planner found no complete route: wait for coverage to come back (or raise)."""

@@ -1,8 +1,8 @@
 """Routes for the entry: asked of the tracker, or planned from this peer's own view when it does not answer.
 
 The tracker is never on the data path, and losing it must not cost a session: a route request that
-gets no answer in time is planned locally from the same gossip view. Either way the route avoids
-peers that recently failed to answer or are suspected, when anything else covers the model.
+gets no answer in time is planned locally from the same gossip view. Either way the route uses as
+few as it can of the peers that recently failed to answer or are suspected.
 """
 
 from __future__ import annotations
@@ -40,22 +40,15 @@ class RouteClient:
         self.view.mark_unreachable(peer_id)
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
-                        keep: frozenset[str] = frozenset()) -> PlannedRoute:
-        """A route avoiding suspected peers when possible (and favouring ``keep``, the peers that hold
-        a session being repaired)."""
-        avoid = exclude | self.view.avoided()
-        if avoid != exclude:
-            try:
-                return await self._route_for(model_id, avoid, keep)
-            except NoRouteError:
-                pass
-        return await self._route_for(model_id, exclude, keep)
-
-    async def _route_for(self, model_id: str, exclude: frozenset[str], keep: frozenset[str]) -> PlannedRoute:
-        route, source = await self._ask_tracker(model_id, exclude, keep)
+                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> PlannedRoute:
+        """A route without ``exclude``, using as few avoided peers as it can (``avoid``, and peers this
+        peer found unreachable or gossip suspects), favouring ``keep`` (the peers that hold a session
+        being repaired)."""
+        avoid = (avoid | self.view.avoided()) - exclude
+        route, source = await self._ask_tracker(model_id, exclude, keep, avoid)
         if route is None:
             route = plan_route(model_id, self.view.offers(), self.view.rtt_of, epoch=self.duties.next_epoch(),
-                               exclude=exclude, keep=keep)
+                               exclude=exclude, keep=keep, avoid=avoid)
         addresses = {}
         for hop in route.hops:
             address = self.view.address_of(hop.peer_id)
@@ -64,8 +57,8 @@ class RouteClient:
             addresses[hop.peer_id] = address
         return PlannedRoute(route, addresses, source)
 
-    async def _ask_tracker(self, model_id: str, exclude: frozenset[str],
-                           keep: frozenset[str]) -> tuple[Route | None, str]:
+    async def _ask_tracker(self, model_id: str, exclude: frozenset[str], keep: frozenset[str],
+                           avoid: frozenset[str]) -> tuple[Route | None, str]:
         tracker = self.tracker()
         if tracker is None:
             return None, "local"
@@ -74,7 +67,8 @@ class RouteClient:
         address = self.view.address_of(tracker)
         if address is None:
             return None, "local"
-        request = pb.PeerRequest(route=pb.RouteRequest(model_id=model_id, exclude=sorted(exclude), keep=sorted(keep)))
+        request = pb.PeerRequest(route=pb.RouteRequest(model_id=model_id, exclude=sorted(exclude), keep=sorted(keep),
+                                                       avoid=sorted(avoid)))
         try:
             reply = await call(self.opener, tracker, address, request, timeout=ROUTE_ASK_TIMEOUT_S)
         except RpcFailed as exc:

@@ -72,7 +72,8 @@ class TrackerDuties:
                     rtt_ms: Callable[[str], float | None]) -> pb.RouteReply | pb.NoRoute:
         try:
             route = plan_route(request.model_id, offers, rtt_ms, epoch=self.next_epoch(),
-                               exclude=frozenset(request.exclude), keep=frozenset(request.keep))
+                               exclude=frozenset(request.exclude), keep=frozenset(request.keep),
+                               avoid=frozenset(request.avoid))
         except NoRouteError as exc:
             return no_route_reply(exc)
         return route_to_reply(route)

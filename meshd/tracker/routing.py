@@ -22,6 +22,7 @@ PER_HOP_MS = 0.5
 UNMEASURED_RTT_MS = 1.0
 RELAY_PENALTY_MS = 5.0
 KEEP_DISCOUNT = 0.25
+AVOID_PENALTY_MS = 10_000.0  # per avoided hop: a route uses as few avoided peers as it can
 
 
 class NoRouteError(Exception):
@@ -55,11 +56,15 @@ def plan_route(
     epoch: int = 0,
     exclude: frozenset[str] = frozenset(),
     keep: frozenset[str] = frozenset(),
+    avoid: frozenset[str] = frozenset(),
 ) -> Route:
     """The cheapest exact tiling of ``[0, n_layers)`` by the offered ranges, or :class:`NoRouteError`.
 
-    ``keep`` names peers that already hold the session being repaired: a route through them can
-    resume instead of recomputing, and their load counts the session itself, so they cost less.
+    ``exclude`` names peers the route must not use. ``avoid`` names peers it should use only where
+    nothing else covers their layers (suspected, recently unreachable, or on a route that stalled):
+    each costs ``AVOID_PENALTY_MS``, so the route with the fewest of them wins. ``keep`` names peers
+    that already hold the session being repaired: a route through them can resume instead of
+    recomputing, and their load counts the session itself, so they cost less.
     """
     usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude]
     if not usable:
@@ -68,12 +73,14 @@ def plan_route(
     for o in usable:
         by_compat.setdefault(o.compat_key, []).append(o)
     best: Route | None = None
+    best_total = 0.0
     missing: list[tuple[int, int]] = []
     for compat_key, group in sorted(by_compat.items()):
         n_layers = group[0].n_layers
         terms = {o.peer_id: hop_terms(o, rtt_ms(o.peer_id)) for o in group}
         cost = {o.peer_id: (terms[o.peer_id].compute_ms + terms[o.peer_id].seam_ms + terms[o.peer_id].hop_ms)
-                * (KEEP_DISCOUNT if o.peer_id in keep else 1.0) for o in group}
+                * (KEEP_DISCOUNT if o.peer_id in keep else 1.0) + (AVOID_PENALTY_MS if o.peer_id in avoid else 0.0)
+                for o in group}
         dist: dict[int, tuple[float, list[ShardOffer]]] = {0: (0.0, [])}
         for boundary in range(n_layers):
             if boundary not in dist:
@@ -88,13 +95,15 @@ def plan_route(
                     dist[end] = (cand, [*path, o])
         if n_layers in dist:
             total, path = dist[n_layers]
+            hop_terms_ = tuple(terms[o.peer_id] for o in path)
+            estimate = sum(t.compute_ms + t.seam_ms + t.hop_ms for t in hop_terms_)
             route = Route(
                 model_id=model_id, compat_key=compat_key,
                 hops=tuple(Hop(o.peer_id, o.range[0], o.range[1]) for o in path),
-                epoch=epoch, cost_ms=round(total, 3), terms=tuple(terms[o.peer_id] for o in path),
+                epoch=epoch, cost_ms=round(estimate, 3), terms=hop_terms_,
             )
-            if best is None or route.cost_ms < best.cost_ms:
-                best = route
+            if best is None or total < best_total:
+                best, best_total = route, total
         else:
             missing = missing_ranges(coverage(group, n_layers)) or missing
     if best is None:

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 from h2.errors import ErrorCodes
 
-from meshd.errors import MeshError
+from meshd.errors import ErrorCode, MeshError
 
 
 class TransportError(MeshError):
     """A connection or stream to a peer failed: unreachable, timed out, closed, or misused."""
 
-    code = "transport_error"
+    code = ErrorCode.TRANSPORT_ERROR
 
 
 class PeerAuthError(TransportError):
     """The remote end did not prove it holds the identity key it claims (or that we expected)."""
 
-    code = "peer_auth"
+    code = ErrorCode.PEER_AUTH
 
 
 class StreamReset(TransportError):
     """The stream was reset, by the peer or by us; ``error_code`` is the HTTP/2 RST_STREAM code."""
 
-    code = "stream_reset"
+    code = ErrorCode.STREAM_RESET
 
     def __init__(self, error_code: int, reason: str) -> None:
         self.error_code = error_code
@@ -33,14 +33,14 @@ class StreamReset(TransportError):
 class FramingError(TransportError):
     """A stream's bytes are not a valid sequence of length-prefixed messages."""
 
-    code = "bad_framing"
+    code: ErrorCode = ErrorCode.BAD_FRAMING
     error_code: int = ErrorCodes.PROTOCOL_ERROR
 
 
 class MessageTooLarge(FramingError):
     """A message (announced or offered) is larger than ``max_message_bytes``."""
 
-    code = "message_too_large"
+    code = ErrorCode.MESSAGE_TOO_LARGE
     error_code: int = ErrorCodes.FRAME_SIZE_ERROR
 
 

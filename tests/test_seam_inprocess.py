@@ -1,0 +1,246 @@
+"""Seams, repair, admission, cancellation and resume in one process, on a fake clock.
+
+Real hop services over real shards of the tiny model, an entry, and an in-memory network that can
+kill a peer the way a dead process goes; every generation is compared token for token with the same
+generation run undisturbed in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from meshd.runtime.chain import LocalChain
+from meshd.runtime.shard import Shard
+from meshd.session.hop_state import RESUME_GRACE_S, AdmissionLimits
+from meshd.session.repair import AllRefused, RepairFailed
+from meshd.tracker.routing import NoRouteError
+from meshd.wire.bundle import Sampling
+from tests.helpers import PROMPT
+from tests.inprocess import entry_config, in_process_mesh
+
+N = 40
+SEEDED = Sampling(temperature=0.8, top_p=0.95, seed=4242)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    chain = LocalChain([Shard(tiny_model, 0, 4)])
+    return {"greedy": chain.generate(PROMPT, N).tokens, "seeded": chain.generate(PROMPT, N, SEEDED).tokens}
+
+
+async def three_hops(mesh, replicas: tuple[int, ...] = ()):
+    hops = [await mesh.add_hop(f"hop{i}", r) for i, r in enumerate([(0, 1), (1, 3), (3, 4)])]
+    spares = [await mesh.add_hop(f"spare{i}", hops[i].layers) for i in replicas]
+    return hops, spares
+
+
+async def until(predicate, timeout: float = RESUME_GRACE_S + 2) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2], ids=["head", "middle", "tail"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+async def test_a_hop_that_dies_mid_generation_is_repaired_with_identical_output(
+        tiny_model, reference, autojump_clock, lost, kind):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, spares = await three_hops(mesh, replicas=(lost,))
+
+        async def disturb(count: int) -> None:
+            if count == 10:
+                mesh.kill(hops[lost])
+
+        tokens = await mesh.generate(PROMPT, N, SEEDED if kind == "seeded" else None, on_token=disturb)
+        assert tokens == reference[kind]
+        assert mesh.routes.unreachable == [hops[lost].peer_id]
+        assert spares[0].service.stats.sessions_served == 1
+        assert mesh.entry.repair_ms[["head", "middle", "tail"][lost]]
+        await until(lambda: mesh.kv_everywhere() == 0)
+
+
+async def test_hops_upstream_of_a_lost_one_resume_their_kv_instead_of_recomputing(
+        tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _spares = await three_hops(mesh, replicas=(2,))
+        prefills: list[int] = []
+
+        async def disturb(count: int) -> None:
+            if count == 20:
+                prefills.append(hops[0].host.batcher.stats.prefill_chunks)
+                mesh.kill(hops[2])
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert hops[0].service.stats.resumed_sessions == 1
+        assert hops[1].service.stats.resumed_sessions == 1
+        # the head computed one more prefill chunk: the last token again, not the prompt and the 20 after it
+        assert hops[0].host.batcher.stats.prefill_chunks == prefills[0] + 1
+
+
+async def test_a_hop_that_stops_answering_times_out_and_is_routed_around(tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, spares = await three_hops(mesh, replicas=(1,))
+        started = trio.current_time()
+
+        async def disturb(count: int) -> None:
+            if count == 5:
+                hops[1].hung = True
+                mesh.routes.dead.add(hops[1].peer_id)  # by then gossip would have stopped hearing from it
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert spares[0].service.stats.sessions_served == 1
+        assert trio.current_time() - started < mesh.entry.config.step_timeout_s + 1
+
+
+async def test_a_stalled_route_times_out_and_the_next_route_replaces_its_peers(tiny_model, reference,
+                                                                              autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, spares = await three_hops(mesh, replicas=(2,))
+        hung_at: list[float] = []
+
+        async def disturb(count: int) -> None:
+            if count == 5:
+                hops[2].hung = True  # nobody knows which hop stalls: gossip still hears from it
+                hung_at.append(trio.current_time())
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        timeout = mesh.entry.config.step_timeout_s
+        # one stall, then a route that avoids the stalled route's peers where it can: the spare tail
+        assert spares[0].service.stats.sessions_served == 1
+        assert timeout <= trio.current_time() - hung_at[0] < 2 * timeout
+        assert mesh.routes.unreachable == []
+
+
+async def test_a_cache_miss_repairs_without_blaming_the_hop(tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+
+        async def disturb(count: int) -> None:
+            if count == 8:
+                shard = hops[1].host.require_shard()
+                for key in list(shard.kv.keys()):
+                    shard.kv.release(key)
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert mesh.routes.unreachable == []
+        assert hops[1].service.stats.sessions_served == 2  # the same hop, a second epoch
+
+
+async def test_a_hop_declared_dead_by_gossip_ends_the_attempt(tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, spares = await three_hops(mesh, replicas=(0,))
+
+        async def disturb(count: int) -> None:
+            if count == 12:
+                mesh.routes.dead.add(hops[0].peer_id)
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert hops[0].peer_id in mesh.routes.unreachable
+        assert spares[0].service.stats.sessions_served == 1
+        await until(lambda: hops[0].kv_sessions == 0)  # the abandoned hop released the session
+
+
+async def test_a_refusing_hop_is_routed_around(tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        full = await mesh.add_hop("full", (0, 4), limits=AdmissionLimits(max_sessions=0))
+        await mesh.add_hop("half0", (0, 2))
+        await mesh.add_hop("half1", (2, 4))
+        # the one-hop route is the cheapest, and refuses; the two-hop route answers
+        assert await mesh.generate(PROMPT, N) == reference["greedy"]
+        assert full.service.stats.seam_errors == 1
+        assert mesh.routes.unreachable == []  # a refusal is not unreachability
+
+
+async def test_refusal_everywhere_is_overloaded_not_a_hang(tiny_model, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        await mesh.add_hop("small", (0, 4), kv_budget=2048)
+        with pytest.raises(AllRefused, match="kv_budget"):
+            await mesh.generate(PROMPT, N)
+        assert mesh.kv_everywhere() == 0
+
+
+async def test_coverage_gone_then_back_waits_for_the_range_and_finishes_identical(
+        tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+        gone_at: list[float] = []
+
+        async def bring_back() -> None:
+            await trio.sleep(12.0)  # longer than the old bound of five quick re-plans
+            await mesh.add_hop("back", (1, 3))
+
+        async def disturb(count: int) -> None:
+            if count == 15:
+                mesh.kill(hops[1])
+                gone_at.append(trio.current_time())
+                mesh.nursery.start_soon(bring_back)
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert mesh.hops["back"].service.stats.sessions_served == 1
+        assert trio.current_time() - gone_at[0] >= 12.0
+
+
+async def test_coverage_that_never_comes_back_fails_after_the_repair_budget(tiny_model, autojump_clock):
+    async with in_process_mesh(tiny_model, entry_config(budget_s=20.0)) as mesh:
+        hops, _ = await three_hops(mesh)
+        gone_at: list[float] = []
+
+        async def disturb(count: int) -> None:
+            if count == 3:
+                mesh.kill(hops[2])
+                gone_at.append(trio.current_time())
+
+        with pytest.raises(RepairFailed, match=r"layers not covered: \[3, 4\)"):
+            await mesh.generate(PROMPT, N, on_token=disturb)
+        assert 20.0 <= trio.current_time() - gone_at[0] <= 20.0 + 2.5
+        await until(lambda: mesh.kv_everywhere() == 0, timeout=10)
+
+
+async def test_a_request_with_no_route_is_answered_at_once(tiny_model, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        await mesh.add_hop("head", (0, 2))
+        with pytest.raises(NoRouteError, match=r"\[2, 4\)"):
+            await mesh.generate(PROMPT, N)
+
+
+async def test_cancelling_a_generation_releases_its_session_on_every_hop(tiny_model, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+
+        async def stop(count: int) -> None:
+            if count == 6:
+                assert all(h.kv_sessions == 1 for h in hops)
+                raise _Enough
+
+        with pytest.raises(_Enough):
+            await mesh.generate(PROMPT, N, on_token=stop)
+        closed = trio.current_time()
+        await until(lambda: mesh.kv_everywhere() == 0)
+        assert trio.current_time() - closed < 2.0
+        assert all(h.service.active_sessions == 0 for h in hops)
+
+
+async def test_sessions_that_share_hops_stay_apart_when_one_of_them_fails(tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+        results: dict[str, list[int]] = {}
+
+        async def run(name: str, sampling: Sampling | None) -> None:
+            results[name] = await mesh.generate(PROMPT, N, sampling, session_id=name)
+
+        async def breaks_one(count: int) -> None:
+            if count == 10:
+                shard = hops[2].host.require_shard()
+                shard.kv.release(("broken", 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "greedy", None)
+            nursery.start_soon(run, "seeded", SEEDED)
+            results["broken"] = await mesh.generate(PROMPT, N, on_token=breaks_one, session_id="broken")
+        assert results == {"greedy": reference["greedy"], "seeded": reference["seeded"],
+                           "broken": reference["greedy"]}
+
+
+class _Enough(Exception):
+    pass
