@@ -18,6 +18,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check meshd tests relay
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
@@ -25,6 +26,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check meshd tests relay
+	$(BIN)/mypy
 
 # Regenerate the protobuf modules from proto/; tests fail when the committed ones differ.
 proto: $(STAMP)

@@ -10,7 +10,7 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def percentiles(values: Iterable[float], scale: float = 1.0) -> dict:
+def percentiles(values: Iterable[float], scale: float = 1.0) -> dict[str, float]:
     """``{"count", "p50", "p95", "mean"}`` of ``values`` times ``scale``; only ``count`` when empty."""
     data = sorted(v * scale for v in values)
     if not data:

@@ -6,6 +6,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,7 +33,7 @@ class _Timestamps:
         self.times: list[float] = []
         self._prompt_seen = False
 
-    def put(self, value) -> None:
+    def put(self, value: Any) -> None:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
@@ -59,7 +60,7 @@ class Baseline:
         self.token_ids: list[int] | None = None
         self._generate(min(4, new_tokens))  # warm-up: first-call allocations and kernel selection
 
-    def _generate(self, max_new: int, streamer=None):
+    def _generate(self, max_new: int, streamer: Any = None) -> Any:
         import torch
         from transformers import GenerationConfig
 

@@ -32,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -42,9 +44,12 @@ from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, log_tail, wait_fo
 from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.stats import percentiles
-from meshd.transport import Transport
+from meshd.transport import MessageStream, Transport
 from meshd.transport.relay import RelayRegistration
+from meshd.transport.websocket import WebSocketStream
+from meshd.wire.bundle import HiddenStateBundle
 
+Say = Callable[[str], None]
 ECHO_PATH = "/bench/echo"
 ACK_PATH = "/bench/ack"
 LINK_CAPS = "12.5MB,125MB"  # 100 Mbit/s and 1 Gbit/s
@@ -59,19 +64,19 @@ def summarize(samples_ms: list[float]) -> dict:
 # -- the echo peer (a child process) ---------------------------------------------------------------
 
 
-async def _echo(stream) -> None:
-    async for message in stream:
+async def _echo(stream: MessageStream) -> None:
+    while (message := await stream.receive_message()) is not None:
         await stream.send_message(message)
     await stream.end()
 
 
-async def _ack(stream) -> None:
-    async for _message in stream:
+async def _ack(stream: MessageStream) -> None:
+    while await stream.receive_message() is not None:
         await stream.send_message(b"k")
     await stream.end()
 
 
-async def _serve(stream) -> None:
+async def _serve(stream: MessageStream) -> None:
     await (_ack if stream.path == ACK_PATH else _echo)(stream)
 
 
@@ -79,7 +84,7 @@ async def _serve_echo(relay: str, ready: Path) -> None:
     async with Transport(Identity.generate()) as transport, trio.open_nursery() as nursery:
         port = await nursery.start(transport.serve, "127.0.0.1:0", _serve)
 
-        async def on_circuit(stream, remote: str) -> None:
+        async def on_circuit(stream: WebSocketStream, remote: str) -> None:
             await transport.accept_stream(stream, _serve, remote)
 
         registration = RelayRegistration(transport.identity, relay, on_circuit)
@@ -147,7 +152,7 @@ class _EchoPeer:
         self.log.close()
 
 
-def seam_latency(workdir: Path, hidden_size: int, chunk_tokens: int, samples: int, say) -> dict:
+def seam_latency(workdir: Path, hidden_size: int, chunk_tokens: int, samples: int, say: Say) -> dict[str, Any]:
     sizes = {"decode_step": hidden_size * 4, "prefill_chunk": chunk_tokens * hidden_size * 4}
     with LocalMesh(workdir, log_level="warning") as mesh:
         relay = mesh.start_relay(extra=["--bandwidth", "0"])  # the relay's cost, not an operator's cap
@@ -160,7 +165,7 @@ def seam_latency(workdir: Path, hidden_size: int, chunk_tokens: int, samples: in
     return result
 
 
-async def _chunk_costs(peer_id: str, address, chunk, samples: int) -> dict:
+async def _chunk_costs(peer_id: str, address: Address, chunk: HiddenStateBundle, samples: int) -> dict[str, Any]:
     """Encode, send until acknowledged, decode: one prefill chunk, raw and compressed, alternately."""
     from meshd.session import messages as m
     from meshd.session.link_compression import CompressionPolicy
@@ -201,7 +206,7 @@ async def _chunk_costs(peer_id: str, address, chunk, samples: int) -> dict:
 
 
 def compression_tradeoff(workdir: Path, hidden_size: int, chunk_tokens: int, caps: list[str], samples: int,
-                         say) -> dict:
+                         say: Say) -> dict[str, Any]:
     import torch
 
     from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -229,7 +234,7 @@ def compression_tradeoff(workdir: Path, hidden_size: int, chunk_tokens: int, cap
     return out
 
 
-def decode_speed(workdir: Path, model: str, new_tokens: int, runs: int, say) -> dict:
+def decode_speed(workdir: Path, model: str, new_tokens: int, runs: int, say: Say) -> dict[str, Any]:
     from openai import OpenAI
     from transformers import AutoConfig, AutoTokenizer
 
@@ -264,7 +269,7 @@ def decode_speed(workdir: Path, model: str, new_tokens: int, runs: int, say) -> 
     return result
 
 
-def run(args: argparse.Namespace, say) -> dict:
+def run(args: argparse.Namespace, say: Say) -> dict[str, Any]:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="meshd-bench-relay-"))
     report: dict = {
         "meta": {"meshd_version": __version__, "python": platform.python_version(), "platform": platform.platform(),

@@ -16,8 +16,12 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from meshd.bench.baseline import BaselineResult
+
+if TYPE_CHECKING:
+    from meshd.bench.runner import MeshResult
 
 
 def _r(value: float | None, digits: int = 3) -> float | None:
@@ -59,7 +63,7 @@ def _attribute(hops: list[dict]) -> None:
         hop["network_ms"] = None if None in (seam, sent, parsed) else _r(max(0.0, seam - sent - parsed))
 
 
-def _mesh_figures(mesh) -> dict:
+def _mesh_figures(mesh: MeshResult) -> dict[str, Any]:
     tok_s = statistics.median(r.decode_tok_s for r in mesh.runs)
     baseline_tok_s = statistics.median(mesh.baseline_tok_s)
     hops = [_hop_profile(i, mesh.ranges[i], mesh.peer_ids[i], s) for i, s in enumerate(mesh.hop_stats)]
@@ -96,7 +100,8 @@ def _mesh_figures(mesh) -> dict:
         "seam_transfers_per_token": _r(transfers / steps) if steps else None,
         "profile": {
             "step_ms": _r(step_ms), "compute_ms": split["compute_ms"], "seams_ms": _r(seams_ms),
-            "other_ms": _r(step_ms - split["compute_ms"] - seams_ms - split["queue_ms"]) if step_ms else None,
+            "other_ms": _r(step_ms - (split["compute_ms"] or 0.0) - seams_ms - (split["queue_ms"] or 0.0))
+            if step_ms else None,
             "split": split | {"other_ms": _r(step_ms - accounted) if step_ms else None},
             "hops": hops,
         },

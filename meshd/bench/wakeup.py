@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import get_context
 
 from meshd.stats import percentiles
@@ -26,7 +27,7 @@ SAMPLES = 200
 IDLE_MS = 20.0
 
 
-def _round_trips(once, samples: int, idle_s: float) -> list[float]:
+def _round_trips(once: Callable[[], object], samples: int, idle_s: float) -> list[float]:
     times = []
     for _ in range(samples):
         if idle_s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 PROMPT_TOKENS = 64
 NEW_TOKENS = 128
@@ -23,7 +24,7 @@ class Prompt:
     ids: list[int]
 
 
-def build_prompt(tokenizer, n_tokens: int) -> Prompt:
+def build_prompt(tokenizer: Any, n_tokens: int) -> Prompt:
     """Deterministic text that the tokenizer turns into exactly ``n_tokens`` ids (as the API will).
 
     The text is cut from a repeated paragraph at a token boundary; because re-encoding a decoded
@@ -69,7 +70,7 @@ class StreamTiming:
         return (self.completion_tokens - 1) / span if span > 0 and self.completion_tokens > 1 else 0.0
 
 
-def stream_completion(client, model: str, prompt: str, max_tokens: int) -> StreamTiming:
+def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> StreamTiming:
     """A greedy streamed ``/v1/completions`` request that runs to ``max_tokens`` (``ignore_eos``)."""
     parts: list[str] = []
     first = last = None

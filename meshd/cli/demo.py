@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from meshd.models.builtin import default_model_dir, ensure_builtin
 
@@ -67,7 +68,7 @@ def run_demo(model_dir: Path | None = None, max_new_tokens: int = MAX_TOKENS) ->
         return 1
 
 
-def _chat(api: str, model_id: str, max_new_tokens: int):
+def _chat(api: str, model_id: str, max_new_tokens: int) -> tuple[str, Any, float]:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://{api}/v1", api_key="demo", timeout=120, max_retries=0)

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    route = control_get(args, f"/route?model={urllib.request.quote(args.model)}")
+    route = control_get(args, f"/route?model={urllib.parse.quote(args.model)}")
     if args.json:
         print(json.dumps(route, indent=2))
         return 0
@@ -155,10 +156,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if model is None:
         print("meshctl: the mesh covers no model completely yet", file=sys.stderr)
         return 1
-    messages = [{"role": "user", "content": args.message}]
     started = time.monotonic()
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
-                                            max_tokens=args.max_tokens, temperature=args.temperature)
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.message}],
+                                            stream=True, max_tokens=args.max_tokens, temperature=args.temperature)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)

@@ -98,8 +98,8 @@ class MeshBackend:
             raise DeadlineExceeded(self.entry.config.request_timeout_s) from None
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
-        reason = "stop" if eos is not None and last == eos else "length"
-        yield Finished(reason, len(prompt), count, text=detok.flush())
+        yield Finished("stop" if eos is not None and last == eos else "length", len(prompt), count,
+                       text=detok.flush())
 
 
 def _encode(tokenizer: Any, req: GenerationRequest) -> list[int]:

@@ -85,6 +85,7 @@ class ControlPlane:
         return round(self.election.config.takeover_bound(TICK_S, delivery), 3)
 
     def republish_card(self) -> None:
+        assert self.gossip.issuer is not None
         self.gossip.issuer.template = self.card()
         self.gossip.republish(time.time())
 
@@ -148,6 +149,8 @@ class ControlPlane:
                 log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
 
     async def _deliver(self, send: Send) -> None:
+        peer_id: str | None
+        address: str | None
         if isinstance(send.to, Address):
             peer_id, address = None, str(send.to)
         else:

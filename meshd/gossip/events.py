@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import cast
 
 from meshd.address import Address
 from meshd.wire import card_pb2 as pb
@@ -14,6 +15,11 @@ class MemberState(enum.IntEnum):
     SUSPECT = pb.SUSPECT
     DEAD = pb.DEAD
     LEFT = pb.LEFT
+
+    @property
+    def wire(self) -> pb.MemberState:
+        """The same state as the protobuf enum value."""
+        return cast(pb.MemberState, int(self))
 
 
 @dataclass(frozen=True)

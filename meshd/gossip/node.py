@@ -30,6 +30,7 @@ import logging
 import math
 import random
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshd.address import Address
@@ -324,11 +325,12 @@ class GossipNode:
             if card is not None:
                 self._enqueue(peer_id, card=card.signed)
         else:
-            self._enqueue(peer_id, digest=pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=int(state)))
+            self._enqueue(peer_id, digest=pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=state.wire))
         if old != state:
             actions.append(MemberChanged(peer_id, old, state))
 
-    def _merge_all(self, cards, digests, leases, now: float, actions: list[Action]) -> None:
+    def _merge_all(self, cards: Iterable[pb.SignedCard], digests: Iterable[pb.MemberDigest],
+                   leases: Iterable[pb.SignedLease], now: float, actions: list[Action]) -> None:
         """Cards first (they prove liveness), then membership claims, then tracker leases."""
         for card in cards:
             self._merge_card(card, now, actions)
@@ -350,8 +352,9 @@ class GossipNode:
             level = logging.INFO if exc.reason == RejectReason.REPLAYED else logging.WARNING
             log.log(level, "card for %s rejected (%s): %s", str(peer_id)[:12], exc.reason, exc)
             return
+        assert peer_id is not None
         card = self.store.get(peer_id)
-        assert card is not None and peer_id is not None
+        assert card is not None
         m = self._members.get(peer_id)
         if m is None or card.sequence > m.incarnation:
             self._set_state(peer_id, MemberState.ALIVE, card.sequence, now, actions)
@@ -465,9 +468,9 @@ class GossipNode:
     def _digest(self) -> list[pb.MemberDigest]:
         own_state = MemberState.LEFT if self._left else MemberState.ALIVE
         own_seq = self.issuer.sequence if self.issuer else 0
-        out = [pb.MemberDigest(peer_id=self.self_id, sequence=own_seq, state=int(own_state))]
+        out = [pb.MemberDigest(peer_id=self.self_id, sequence=own_seq, state=own_state.wire)]
         for peer_id, m in self._members.items():
-            out.append(pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=int(m.state)))
+            out.append(pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=m.state.wire))
         return out
 
     def _cards_lacking(self, digest: list[pb.MemberDigest] | None) -> list[pb.SignedCard]:

@@ -149,9 +149,9 @@ def write_model(
 
     shapes = _parameter_shapes(config)
     n_layers = config.num_hidden_layers
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(weight_files)]
+    groups: list[list[str]] = [[] for _ in range(weight_files)]
     for name in sorted(shapes):
-        groups[_file_for(name, n_layers, weight_files)][name] = None  # type: ignore[assignment]
+        groups[_file_for(name, n_layers, weight_files)].append(name)
 
     weight_map: dict[str, str] = {}
     total = 0

@@ -31,8 +31,8 @@ REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
 Handler = Callable[[str, Any], Awaitable[Message]]
 """``handler(sender peer id, request body) -> reply body`` (a message that fits ``PeerReply.body``)."""
 
-_REPLY_FIELDS = {field.message_type.full_name: field.name for field in pb.PeerReply.DESCRIPTOR.oneofs_by_name[
-    "body"].fields}
+_REPLY_FIELDS = {field.message_type.full_name: field.name
+                 for field in pb.PeerReply.DESCRIPTOR.oneofs_by_name["body"].fields if field.message_type is not None}
 REQUEST_KINDS = tuple(field.name for field in pb.PeerRequest.DESCRIPTOR.oneofs_by_name["body"].fields)
 
 

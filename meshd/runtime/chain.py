@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshd.errors import RangeMismatch
-from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS, Shard
+from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS, Shard, StepResult
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 
@@ -67,26 +67,15 @@ class LocalChain:
             raise RangeMismatch(f"shards stop at layer {expected} of {n_layers}")
         self.shards = list(shards)
 
-    def step(self, head_bundle: HiddenStateBundle):
+    def step(self, head_bundle: HiddenStateBundle) -> StepResult:
         """Carry one bundle through every shard (over the wire codec); return the tail's result."""
         bundle = wire.decode(wire.encode(head_bundle))
-        result = None
-        for i, shard in enumerate(self.shards):
+        result = self.shards[0].forward(bundle)
+        for shard in self.shards[1:]:
+            passed = bundle.part(bundle.start_position, bundle.end_position, {HIDDEN_STATES: result.hidden_states})
+            passed.range_start, passed.range_end = shard.spec.start, shard.spec.end
+            bundle = wire.decode(wire.encode(passed))
             result = shard.forward(bundle)
-            if i + 1 < len(self.shards):
-                nxt = self.shards[i + 1].spec
-                bundle = wire.decode(
-                    wire.encode(
-                        HiddenStateBundle(
-                            session_id=bundle.session_id, epoch=bundle.epoch, step=bundle.step,
-                            phase=bundle.phase, start_position=bundle.start_position,
-                            token_count=bundle.token_count,
-                            tensors={HIDDEN_STATES: result.hidden_states},
-                            range_start=nxt.start, range_end=nxt.end,
-                            sample=bundle.sample, sampling=bundle.sampling,
-                        )
-                    )
-                )
         return result
 
     def generate(

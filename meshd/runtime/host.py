@@ -35,7 +35,7 @@ log = logging.getLogger("meshd.runtime")
 T = TypeVar("T")
 
 
-def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     """``fn(*args)`` and the seconds it took, measured on the thread that ran it."""
     started = time.perf_counter()
     result = fn(*args)
@@ -61,7 +61,7 @@ class ComputeThread:
 
             torch.set_num_threads(torch_threads)
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
 
@@ -102,8 +102,8 @@ class ShardHost:
         self.shard: Shard | None = None
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold)
-        self._options = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
-                             session_ttl_s=session_ttl_s, keep_logits=keep_logits)
+        self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
+                                                   session_ttl_s=session_ttl_s, keep_logits=keep_logits)
         self.loaded = trio.Event()
 
     @property
@@ -115,7 +115,7 @@ class ShardHost:
         if self.shard is not None:
             raise RuntimeError(f"already holding layers {self.range}")
         log.info("loading layers [%d, %d) of %s", start, end, self.model_dir)
-        shard = await self.compute.run(lambda: Shard(self.model_dir, start, end, **self._options))
+        shard = await self.compute.run(lambda: Shard(self.model_dir, start, end, **self._shard_options))
         self.shard = shard
         self.loaded.set()
         log.info("loaded layers [%d, %d): %.1f MB of weights", start, end, shard.parameter_bytes() / 1e6)
@@ -125,7 +125,7 @@ class ShardHost:
         self.require_shard()
         return await self.batcher.submit(bundle)
 
-    async def run_sync(self, fn: Callable[..., T], *args) -> T:
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the compute thread (for anything else that touches the shard's tensors)."""
         return await self.compute.run(fn, *args)
 

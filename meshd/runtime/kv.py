@@ -41,7 +41,8 @@ class SessionKV:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     last_used: float = 0.0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_a, **_kw):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
+               **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx in self.keys:
             self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], dim=-2)
             self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], dim=-2)

@@ -278,7 +278,7 @@ class Shard:
         return hidden
 
     @torch.inference_mode()
-    def _compute(self, x: torch.Tensor, session, bundle: HiddenStateBundle) -> StepResult:
+    def _compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
         start, n = bundle.start_position, bundle.token_count
         hidden = self.embed(x) if self.embed is not None else x
         hidden = hidden.unsqueeze(0)
@@ -288,12 +288,13 @@ class Shard:
             return StepResult(hidden_states=hidden[0])
         if not bundle.sample:
             return StepResult()
+        assert self.norm is not None
         last = self.norm(hidden[:, -1:, :])
         logits = self.lm_head(last)[0, -1]
         token = sample_token(logits, session.sampling, position=start + n)
         return StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
 
-    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache,
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | BatchCache,
                     mask_for: Callable[[int | None], torch.Tensor | None]) -> torch.Tensor:
         """This shard's decoder layers over ``hidden``; one attention mask per sliding-window size."""
         position_embeddings = self.rotary(hidden, position_ids)
@@ -326,6 +327,7 @@ class Shard:
         wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
         results = [StepResult() for _ in bundles]
         if wanted:
+            assert self.norm is not None
             logits = self.lm_head(self.norm(hidden[wanted, -1:, :]))[:, -1]
             for row, b in enumerate(wanted):
                 token = sample_token(logits[row], sessions[b].sampling, position=lengths[b] + 1)
@@ -370,7 +372,8 @@ class BatchCache:
     def __init__(self, sessions: list[SessionKV]) -> None:
         self.sessions = sessions
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_a, **_kw):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
+               **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = [], []
         for b, session in enumerate(self.sessions):
             k, v = session.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class IncrementalDetokenizer:
     """Decode the whole generated sequence each time and hand out only what is new.
@@ -11,14 +13,14 @@ class IncrementalDetokenizer:
     ends, when :meth:`flush` hands out whatever is left).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._emitted = ""
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = str(self._tokenizer.decode(self._ids, skip_special_tokens=True))
         if text.endswith("\ufffd") or not text.startswith(self._emitted):
             return ""
         delta = text[len(self._emitted):]
@@ -26,7 +28,7 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = str(self._tokenizer.decode(self._ids, skip_special_tokens=True))
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
         self._emitted = text
         return delta

@@ -41,6 +41,7 @@ from meshd.tracker.view import Route
 from meshd.transport.errors import TransportError
 from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import bundle as wire
+from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.session")
@@ -172,7 +173,7 @@ async def _send(stream: MessageStream, data: bytes, peer_id: str) -> None:
         raise SessionFailed(ErrorCode.UNREACHABLE, f"the stream went away: {exc}", peer_id) from exc
 
 
-def _parse(raw: bytes, peer_id: str) -> m.pb.SeamMessage:
+def _parse(raw: bytes, peer_id: str) -> pb.SeamMessage:
     try:
         return m.parse(raw)
     except MeshError as exc:

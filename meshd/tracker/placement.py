@@ -78,6 +78,7 @@ def place(offers: list[ShardOffer]) -> dict[str, tuple[int, int]]:
     counts = coverage(placed, n_layers)
     boundaries = {0, n_layers}
     for offer in placed:
+        assert offer.range is not None
         boundaries.update(offer.range)
     waiting = sorted((o for o in offers if o.range is None and not o.pinned),
                      key=lambda o: (-o.memory_budget_bytes, o.peer_id))

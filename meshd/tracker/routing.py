@@ -67,6 +67,7 @@ def plan_route(
     recomputing, and their load counts the session itself, so they cost less.
     """
     usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude]
+    span = {o.peer_id: o.range for o in usable if o.range is not None}
     if not usable:
         raise NoRouteError(model_id, [])
     by_compat: dict[str, list[ShardOffer]] = {}
@@ -87,10 +88,10 @@ def plan_route(
                 continue
             base, path = dist[boundary]
             for o in sorted(group, key=lambda x: x.peer_id):
-                if o.range[0] != boundary:
+                start, end = span[o.peer_id]
+                if start != boundary:
                     continue
                 cand = base + cost[o.peer_id]
-                end = o.range[1]
                 if end not in dist or cand < dist[end][0]:
                     dist[end] = (cand, [*path, o])
         if n_layers in dist:
@@ -99,7 +100,7 @@ def plan_route(
             estimate = sum(t.compute_ms + t.seam_ms + t.hop_ms for t in hop_terms_)
             route = Route(
                 model_id=model_id, compat_key=compat_key,
-                hops=tuple(Hop(o.peer_id, o.range[0], o.range[1]) for o in path),
+                hops=tuple(Hop(o.peer_id, *span[o.peer_id]) for o in path),
                 epoch=epoch, cost_ms=round(estimate, 3), terms=hop_terms_,
             )
             if best is None or total < best_total:

@@ -257,7 +257,7 @@ class Connection:
         elif isinstance(event, h2.events.ResponseReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
-                stream._on_response(event.headers)
+                stream._on_response(_text_headers(event.headers))
         elif isinstance(event, h2.events.StreamEnded):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -278,7 +278,7 @@ class Connection:
             self._close(f"peer sent GOAWAY ({event.error_code})")
 
     def _on_request(self, event: h2.events.RequestReceived) -> None:
-        headers = dict(event.headers or [])
+        headers = dict(_text_headers(event.headers))
         path = headers.get(":path", "")
         stream = Stream(
             self,
@@ -580,3 +580,13 @@ class Stream:
             self._release_credit_of_dropped()
         self._signal.fire()
         self._conn._forget(self)
+
+
+def _text_headers(headers: object) -> list[tuple[str, str]]:
+    """Header pairs as text: the connection is configured with ``header_encoding="utf-8"``, so h2
+    hands out ``str``; anything else is decoded the same way."""
+    out = []
+    for name, value in headers or []:  # type: ignore[attr-defined]
+        out.append((name.decode() if isinstance(name, bytes) else name,
+                    value.decode() if isinstance(value, bytes) else value))
+    return out

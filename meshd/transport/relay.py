@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, connect_websocket
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket
 
 from meshd.address import Address, relay_address
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
@@ -282,9 +282,10 @@ class RelayRegistration:
             await trio.aclose_forcefully(stream)
 
 
-async def _get(ws) -> str | bytes:
+async def _get(ws: WebSocketConnection) -> str | bytes:
     try:
-        return await ws.get_message()
+        message: str | bytes = await ws.get_message()
+        return message
     except ConnectionClosed as exc:
         code, text = close_description(exc)
         if code is not None and code >= 4000:

@@ -12,6 +12,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import cast
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
         session_id=bundle.session_id,
         epoch=bundle.epoch,
         step=bundle.step,
-        phase=int(bundle.phase),
+        phase=cast(pb.Phase, int(bundle.phase)),
         start_position=bundle.start_position,
         token_count=bundle.token_count,
         range_start=bundle.range_start,
@@ -137,7 +138,8 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
             packed = byte_planes.compress(data, _DTYPES[code][1])
             if len(packed) < len(data):
                 data, encoding = packed, pb.ZSTD_BYTE_PLANES
-        msg.tensors.append(pb.Tensor(name=name, dtype=code, shape=list(tensor.shape), data=data, encoding=encoding))
+        msg.tensors.append(pb.Tensor(name=name, dtype=cast(pb.DType, code), shape=list(tensor.shape), data=data,
+                                     encoding=encoding))
     return msg.SerializeToString()
 
 

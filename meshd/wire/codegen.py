@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -48,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

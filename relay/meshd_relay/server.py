@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
+from starlette.types import ASGIApp, Receive, Scope, Send
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from meshd.address import Address
@@ -102,7 +103,8 @@ class RelayServer:
                     self._handle, listen.host, listen.port, None, handler_nursery=nursery,
                     max_message_size=cfg.max_message_bytes, receive_buffer_size=64 * 1024,
                     connect_timeout=cfg.handshake_timeout_s, task_status=task_status))
-            self.port = server.port
+            self.port = int(server.port)
+            metrics: Address | None = None
             if cfg.metrics:
                 from prometheus_client import make_asgi_app
 
@@ -111,8 +113,9 @@ class RelayServer:
                 metrics = Address.parse(cfg.metrics)
                 app = _with_lifespan(make_asgi_app(self.metrics.registry))
                 self.metrics_port = await nursery.start(serve_asgi, app, metrics, "meshd.relay.metrics")
+                metrics = metrics.with_port(self.metrics_port)
             _event("info", "relay listening", listen=str(listen.with_port(self.port)),
-                   metrics=str(Address.parse(cfg.metrics).with_port(self.metrics_port)) if cfg.metrics else None)
+                   metrics=str(metrics) if metrics is not None else None)
             if cfg.ready_file is not None:
                 write_atomically(cfg.ready_file, json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
             task_status.started(self)
@@ -340,10 +343,10 @@ class RelayServer:
         return reason_text, moved
 
 
-def _with_lifespan(app):
+def _with_lifespan(app: ASGIApp) -> ASGIApp:
     """prometheus-client's ASGI app answers only HTTP; acknowledge the server's lifespan events for it."""
 
-    async def wrapped(scope, receive, send) -> None:
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
             await app(scope, receive, send)
             return
