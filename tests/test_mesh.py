@@ -221,7 +221,7 @@ def test_tracker_failover_elects_a_new_tracker_everywhere(tiny_model, tmp_path, 
         survivors = [p for p in m.peers if p is not tracker]
 
         def new_tracker() -> bool:
-            seen = {p.get("/status", timeout=2)["tracker"] for p in survivors}
+            seen = {p.get("/status", timeout=10)["tracker"] for p in survivors}
             return len(seen) == 1 and None not in seen and tracker_id not in seen
 
         # the bound itself is proven on a fake clock (tests/test_election.py); here, real processes

@@ -62,6 +62,8 @@ class BoundAddresses:
 
 
 class Peer:
+    """One daemon: builds every plane from ``config`` and runs them under one nursery (``run``)."""
+
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         config.data_dir.mkdir(parents=True, exist_ok=True)
