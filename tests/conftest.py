@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,21 +12,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from transformers.utils import logging as hf_logging
 
-from meshd.models.builtin import BUILTIN_MODELS, create_builtin, make_config, write_model
+from meshd.models.builtin import create_builtin, write_model
+from tests.archs import ARCHS
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
-
-TINY = BUILTIN_MODELS["tiny"]
-
-# Tiny random configs, one per adapter (and variants that exercise tied embeddings, biases and a
-# sliding window shorter than the test sequences).
-ADAPTER_MODELS = {
-    "llama": lambda: make_config("llama", TINY),
-    "mistral": lambda: make_config("mistral", TINY, sliding_window=None),
-    "qwen2": lambda: make_config("qwen2", replace(TINY, tie_embeddings=True)),
-    "mistral-window": lambda: make_config("mistral", TINY, sliding_window=12),
-}
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +29,7 @@ def adapter_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {
         name: write_model(root / name, make(), seed=100 + i)
-        for i, (name, make) in enumerate(sorted(ADAPTER_MODELS.items()))
+        for i, (name, make) in enumerate(sorted(ARCHS.items()))
     }
 
 

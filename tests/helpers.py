@@ -12,7 +12,10 @@ _MODELS: dict[Path, torch.nn.Module] = {}
 
 def reference_model(model_dir: Path):
     if model_dir not in _MODELS:
-        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # eager attention: the unambiguous reference (sdpa would skip Gemma 2's attention soft cap)
+        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+        _MODELS[model_dir].generation_config.eos_token_id = None  # run to max_new_tokens, always
     return _MODELS[model_dir]
 
 

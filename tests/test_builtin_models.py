@@ -56,7 +56,9 @@ def test_unsupported_architecture_is_refused(tiny_model, tmp_path):
         Shard(bad, 0, 1)
     for name in supported_architectures():
         assert name in str(info.value)
-    assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(supported_architectures()) == {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def test_mismatched_architecture_name_is_refused(tiny_model):

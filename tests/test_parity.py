@@ -7,6 +7,7 @@ import torch
 
 from meshd.runtime.chain import LocalChain
 from meshd.runtime.shard import Shard
+from tests.archs import ARCHS
 from tests.helpers import PROMPT, reference_generate
 
 SPLITS = {
@@ -17,7 +18,7 @@ SPLITS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("parts", sorted(SPLITS))
 def test_split_generation_matches_single_process(adapter_models, arch, parts):
     model_dir = adapter_models[arch]
@@ -28,7 +29,7 @@ def test_split_generation_matches_single_process(adapter_models, arch, parts):
         assert out.tokens == ref_tokens, f"chunk={chunk}"
         assert len(out.logits) == len(ref_logits) == 32
         for step, (mine, ref) in enumerate(zip(out.logits, ref_logits, strict=True)):
-            torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0, msg=f"chunk={chunk} step={step}")
+            torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-5, msg=f"chunk={chunk} step={step}")
     for shard in chain.shards:
         assert len(shard.kv) == 0, "every session is released after generation"
 

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", metavar="DIR", help="Hugging Face model directory this peer can serve")
     run.add_argument("--model-id", help="the model's name in the API (default: directory name)")
     run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
+    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype of weights, activations and the seam (default auto: the checkpoint's own); "
+                     "how linears compute in it is measured at start and shown by meshctl status")
+    run.add_argument("--device", metavar="DEVICE",
+                     help="auto (default: cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
     run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
     run.add_argument("--kv-budget", metavar="SIZE", help="bytes of KV state across sessions (e.g. 1GiB)")
     run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 512)")
@@ -94,7 +99,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
         "log_level": args.log_level, "ready_file": args.ready_file, "torch_threads": args.torch_threads,
-        "compression": args.compression,
+        "compression": args.compression, "dtype": args.dtype, "device": args.device,
     }
     try:
         config = load_config(args.config, overrides)

@@ -40,6 +40,9 @@ class PeerConfig:
     model: Path | None = None               # model directory this peer can serve
     model_id: str = ""                      # name clients use; defaults to the directory name
     layers: tuple[int, int] | None = None   # pinned range; otherwise the tracker places one
+    dtype: str = "auto"                     # weights, activations, seam: auto (the checkpoint's), float32,
+                                            # bfloat16 or float16
+    device: str = "auto"                    # auto (cuda:0, else mps, else cpu), cpu, cuda[:N] or mps
     memory_budget: int = 8 * 1024**3        # bytes of weights this peer may load
     kv_budget: int = 1024**3                # bytes of KV state across sessions
     chunk_tokens: int = 512                 # prefill chunk size (tokens per bundle; see docs/benchmarks.md)
@@ -80,6 +83,13 @@ def _addresses(values: list[str] | None) -> list[str]:
     return [_address(v) for v in values or []]
 
 
+def _device(value: str) -> str:
+    kind, _, index = str(value).partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device {value!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    return str(value)
+
+
 _CONVERTERS: dict[str, Any] = {
     "listen": _address, "advertise": _address, "api": _address, "control": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
@@ -87,6 +97,8 @@ _CONVERTERS: dict[str, Any] = {
     "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": _addresses,
     "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
+    "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
+    "device": _device,
 }
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.runtime.model_info import describe_model
+from meshd.runtime.model_info import model_sizes
 
 
 class LocalMeshError(RuntimeError):
@@ -114,7 +114,7 @@ class LocalRelay:
 
 def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
     """Memory budgets that make placement split the model into ``parts`` contiguous ranges."""
-    info = describe_model(model_dir)
+    info = model_sizes(model_dir)
     base, extra = divmod(info.n_layers, parts)
     sizes = [base + (1 if i < extra else 0) for i in range(parts)]
     return [size * info.layer_bytes + info.edge_bytes + info.layer_bytes // 2 for size in sizes]

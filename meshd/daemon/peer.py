@@ -33,8 +33,9 @@ from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.models.artifacts import ModelFilesCache
 from meshd.rpc import RPC_PATH, RpcRouter
+from meshd.runtime.devices import device_memory_bytes
 from meshd.runtime.host import ShardHost
-from meshd.runtime.model_info import describe_model
+from meshd.runtime.model_info import choose_numerics, describe_model
 from meshd.runtime.served_model import PlacementRefused, ServedModel
 from meshd.session import messages as seam
 from meshd.session.entry import EntryConfig, EntrySessions
@@ -74,10 +75,15 @@ class Peer:
         self.transport = Transport(self.identity)
         self.served: ServedModel | None = None
         if config.model is not None:
-            info = describe_model(config.model, config.model_id or None)
-            host = ShardHost(config.model, max_chunk_tokens=max(512, config.chunk_tokens),
-                             kv_budget_bytes=config.kv_budget, batch_hold=config.batch_hold)
-            self.served = ServedModel(info, host, pinned=config.layers, on_change=self._republish)
+            choice = choose_numerics(config.model, config.dtype, config.device, min(128, config.chunk_tokens))
+            log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
+            info = describe_model(config.model, config.model_id or None, numerics=choice.numerics,
+                                  cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
+            host = ShardHost(config.model, numerics=info.numerics, manifest=info.manifest,
+                             max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
+                             batch_hold=config.batch_hold)
+            self.served = ServedModel(info, host, pinned=config.layers, on_change=self._republish,
+                                      measured_ms=choice.measured_ms)
         self.reachability = Reachability(config, self.transport, self.identity, advertised=lambda: self.bound.advertise,
                                          on_change=self._republish)
         self.hops = HopService(self.peer_id, self.transport, self.served.host if self.served else None,
@@ -110,7 +116,9 @@ class Peer:
     @functools.cached_property
     def _hardware(self) -> cpb.Hardware:
         """What the card says of the machine; read once, as it does not change while we run."""
-        return cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device="cpu", cpu_count=os.cpu_count() or 1)
+        device = self.served.info.numerics.device if self.served is not None else "cpu"
+        return cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device=device, cpu_count=os.cpu_count() or 1,
+                            device_memory_bytes=device_memory_bytes(device))
 
     def _card(self) -> cpb.CapabilityCard:
         cfg = self.config
@@ -118,7 +126,9 @@ class Peer:
         card = cpb.CapabilityCard(
             name=cfg.name or self.peer_id[:8], addresses=direct, relay_addresses=self.reachability.relay_addresses(),
             api_address=self.bound.api, hardware=self._hardware, tracker_eligible=cfg.tracker_eligible and bool(direct),
-            software_version=__version__, memory_budget_bytes=cfg.memory_budget,
+            software_version=__version__,
+            # placement sizes ranges by what the device can hold, within what the operator allows
+            memory_budget_bytes=min(cfg.memory_budget, self._hardware.device_memory_bytes),
         )
         if self.served is not None:
             card.models.append(self.served.card_entry())

@@ -29,7 +29,7 @@ from meshd.wire import rpc_pb2 as pb
 log = logging.getLogger("meshd.models")
 
 FETCH_TIMEOUT_S = 10.0
-SOURCE_FILE = "meshd-source.json"  # architecture and weights digest that, with the files, give the compat key
+SOURCE_FILE = "meshd-source.json"  # architecture, weights digest and numerics: with the files, the compat key
 ALLOWED_FILES = frozenset((*CONFIG_FILES, *TOKENIZER_FILES))
 
 Sources = Callable[[str], list[tuple[str, str]]]
@@ -48,12 +48,13 @@ class ModelFilesUnavailable(MeshError):
     code = ErrorCode.NO_ROUTE
 
 
-def check_files(files: dict[str, bytes], architecture: str, weights_digest: str, compat_key: str) -> None:
+def check_files(files: dict[str, bytes], architecture: str, weights_digest: str, numerics: str,
+                compat_key: str) -> None:
     """Raise unless ``files`` are exactly what ``compat_key`` commits to (and only files we know)."""
     unexpected = set(files) - ALLOWED_FILES
     if unexpected:
         raise ModelFilesUnavailable(f"unexpected files {sorted(unexpected)}")
-    got = compat_key_of(architecture, digest_of(files), weights_digest)
+    got = compat_key_of(architecture, digest_of(files), weights_digest, numerics)
     if got != compat_key:
         raise ModelFilesUnavailable(f"the files hash to compat key {got}, expected {compat_key}")
 
@@ -77,7 +78,8 @@ class ModelFilesCache:
         if request.compat_key and request.compat_key != local.compat_key:
             raise UnknownModel(f"this peer serves {local.model_id} with compat key {local.compat_key}")
         files = await trio.to_thread.run_sync(read_small_files, local.model_dir)
-        return pb.ModelFiles(files=files, architecture=local.architecture, weights_digest=local.weights_digest)
+        return pb.ModelFiles(files=files, architecture=local.architecture, weights_digest=local.weights_digest,
+                             numerics=local.numerics.name)
 
     # -- asking ----------------------------------------------------------------------------------
 
@@ -108,12 +110,12 @@ class ModelFilesCache:
                     raise ModelFilesUnavailable(f"answered {reply.WhichOneof('body')!r}")
                 got = reply.model_files
                 files = dict(got.files)
-                check_files(files, got.architecture, got.weights_digest, compat_key)
+                check_files(files, got.architecture, got.weights_digest, got.numerics, compat_key)
             except (RpcFailed, ModelFilesUnavailable) as exc:
                 log.warning("model files of %s from %s refused: %s", model_id, peer_id[:12], exc)
                 last = exc
                 continue
-            await trio.to_thread.run_sync(_store, stored, files, got.architecture, got.weights_digest)
+            await trio.to_thread.run_sync(_store, stored, files, got.architecture, got.weights_digest, got.numerics)
             log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
             return stored
         raise ModelFilesUnavailable(f"no peer handed out the files of {model_id} ({compat_key})") from last
@@ -132,21 +134,22 @@ def _stored_is_valid(directory: Path, compat_key: str) -> bool:
     try:
         doc = json.loads(source.read_text())
         files = read_small_files(directory)
-        check_files(files, str(doc["architecture"]), str(doc["weights_digest"]), compat_key)
+        check_files(files, str(doc["architecture"]), str(doc["weights_digest"]), str(doc["numerics"]), compat_key)
     except (OSError, ValueError, KeyError, ModelFilesUnavailable) as exc:
         log.warning("stored files for %s are not usable (%s); fetching them again", compat_key, exc)
         return False
     return True
 
 
-def _store(directory: Path, files: dict[str, bytes], architecture: str, weights_digest: str) -> None:
+def _store(directory: Path, files: dict[str, bytes], architecture: str, weights_digest: str,
+           numerics: str) -> None:
     """Write checked files into a staging directory, then move it into place whole."""
     staging = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name, data in files.items():
         write_atomically(staging / name, data)
-    write_atomically(staging / SOURCE_FILE, json.dumps({"architecture": architecture,
-                                                        "weights_digest": weights_digest}))
+    write_atomically(staging / SOURCE_FILE, json.dumps({"architecture": architecture, "weights_digest": weights_digest,
+                                                        "numerics": numerics}))
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)

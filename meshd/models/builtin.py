@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from meshd.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, write_tokenizer
+from meshd.runtime.adapters import registry
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class BuiltinSpec:
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny": BuiltinSpec(
         name="tiny", seed=1, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=176, vocab_size=262, max_positions=2048, tie_embeddings=False, weight_files=1,
+        intermediate_size=192, vocab_size=262, max_positions=2048, tie_embeddings=False, weight_files=1,
     ),
     "bench": BuiltinSpec(
         name="bench", seed=2, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
@@ -76,12 +77,8 @@ def make_config(model_type: str, spec: BuiltinSpec, **overrides: object) -> Pret
     }
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
-    config.architectures = [_causal_lm_class_name(model_type)]
+    config.architectures = [registry()[model_type].architecture]
     return config
-
-
-def _causal_lm_class_name(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
 
 
 def _tensor_seed(model_seed: int, name: str) -> int:
@@ -107,12 +104,23 @@ def _init_tensor(name: str, shape: tuple[int, ...], model_seed: int, hidden_size
 
 
 def _parameter_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint holds, by name, as the family's checkpoints name them."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
-    return shapes
+    adapter = registry()[config.model_type]
+    if adapter.module_layer is None:
+        return shapes
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_hidden_layers):
+        prefix = adapter.layer_tensor_prefix(i)
+        layer = {n[len(prefix):]: torch.empty(shape, device="meta") for n, shape in shapes.items()
+                 if n.startswith(prefix)}
+        out.update({prefix + n: tuple(t.shape) for n, t in adapter.module_layer(layer, config).items()})
+    out.update({n: shape for n, shape in shapes.items() if not n.startswith(adapter.layer_prefix)})
+    return out
 
 
 def _file_for(name: str, n_layers: int, n_files: int) -> int:
@@ -131,13 +139,16 @@ def write_model(
     seed: int,
     weight_files: int = 1,
     progress: ProgressFn | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a complete Hugging Face model directory with deterministic random weights."""
+    """Write a complete Hugging Face model directory with deterministic random weights, stored as
+    ``dtype`` and laid out as the family's own checkpoints are."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _msg: None)
     config_dict = config.to_dict()
     config_dict.pop("transformers_version", None)
+    config_dict["dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     generation = {
         "bos_token_id": config.bos_token_id,
@@ -161,7 +172,8 @@ def write_model(
             else f"model-{index + 1:05d}-of-{weight_files:05d}.safetensors"
         )
         tensors = {
-            name: _init_tensor(name, shapes[name], seed, config.hidden_size, bool(config.tie_word_embeddings))
+            name: _init_tensor(name, shapes[name], seed, config.hidden_size,
+                               bool(config.tie_word_embeddings)).to(dtype)
             for name in sorted(names)
         }
         total += sum(t.numel() * t.element_size() for t in tensors.values())

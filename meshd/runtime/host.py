@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import trio
 
 from meshd.runtime.batching import StepBatcher
+from meshd.runtime.manifest import Manifest
+from meshd.runtime.numerics import Numerics
 from meshd.runtime.shard import Shard, StepResult
 from meshd.wire.bundle import HiddenStateBundle
 
@@ -94,7 +96,8 @@ class InlineCompute:
 class ShardHost:
     """Owns a peer's shard once loaded, its compute thread and its batcher: the Trio face of the runtime."""
 
-    def __init__(self, model_dir: Path, *, max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
+    def __init__(self, model_dir: Path, *, numerics: Numerics | None = None, manifest: Manifest | None = None,
+                 max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
                  session_ttl_s: float = 600.0, max_batch: int = 16, torch_threads: int | None = None,
                  keep_logits: bool = False, batch_hold: float = 1.0,
                  compute: ComputeThread | InlineCompute | None = None) -> None:
@@ -103,22 +106,27 @@ class ShardHost:
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold)
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
-                                                   session_ttl_s=session_ttl_s, keep_logits=keep_logits)
+                                                   session_ttl_s=session_ttl_s, keep_logits=keep_logits,
+                                                   numerics=numerics, manifest=manifest)
         self.loaded = trio.Event()
 
     @property
     def range(self) -> tuple[int, int] | None:
         return None if self.shard is None else (self.shard.spec.start, self.shard.spec.end)
 
-    async def load(self, start: int, end: int) -> None:
-        """Load ``[start, end)`` (replacing nothing: a host loads one range for its lifetime)."""
+    async def load(self, start: int, end: int, check: Callable[[Shard], T] | None = None) -> T | None:
+        """Load ``[start, end)`` (replacing nothing: a host loads one range for its lifetime). With
+        ``check``, the shard is held only once ``check(shard)`` returned (on the compute thread): a
+        shard that fails it is never seen by anyone. Returns what ``check`` returned."""
         if self.shard is not None:
             raise RuntimeError(f"already holding layers {self.range}")
         log.info("loading layers [%d, %d) of %s", start, end, self.model_dir)
         shard = await self.compute.run(lambda: Shard(self.model_dir, start, end, **self._shard_options))
+        outcome = await self.compute.run(check, shard) if check is not None else None
         self.shard = shard
         self.loaded.set()
         log.info("loaded layers [%d, %d): %.1f MB of weights", start, end, shard.parameter_bytes() / 1e6)
+        return outcome
 
     async def forward(self, bundle: HiddenStateBundle) -> StepResult:
         """One step of one session; steps of other sessions waiting at the same time share its forward."""

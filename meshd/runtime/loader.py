@@ -1,49 +1,83 @@
 """Read a Hugging Face model directory and load only the tensors a shard owns.
 
 The checkpoint's index (or single file) tells which file holds each tensor; tensors are read one by
-one with safetensors, so a shard never materialises layers, embeddings or heads it does not own.
+one, straight from the safetensors data (:mod:`meshd.runtime.manifest` reads the headers), so a
+shard never materialises layers, embeddings or heads it does not own. Given the weights manifest, each
+tensor's bytes are checked against it as they are read: a file changed or damaged since the compat key
+was computed is refused, not served.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from meshd.errors import ModelFormatError
+from meshd.runtime.manifest import Manifest, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+                 "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "F64": torch.float64}
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def load_config(model_dir: Path) -> PretrainedConfig:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelFormatError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelFormatError(f"{model_dir}/config.json is not a config transformers can read: {exc}") from None
     config._attn_implementation = "sdpa"
     return config
 
 
-class CheckpointIndex:
-    """Where each tensor of a safetensors checkpoint lives."""
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, in name order."""
+    return sorted(set(CheckpointIndex(model_dir).files.values()))
 
-    def __init__(self, model_dir: Path) -> None:
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype the checkpoint's layer weights are stored in, read from a safetensors header."""
+    index = CheckpointIndex(model_dir)
+    names = [n for n in index.files if ".layers." in n] or list(index.files)
+    stored = index.entry(names[0])["dtype"]
+    if stored not in FLOAT_DTYPES:
+        raise ModelFormatError(f"{model_dir} stores its weights as {stored}; meshd runs float32, bfloat16 and "
+                               "float16 checkpoints")
+    return FLOAT_DTYPES[str(stored)]
+
+
+class CheckpointIndex:
+    """Where each tensor of a safetensors checkpoint lives, and how to read exactly its bytes."""
+
+    def __init__(self, model_dir: Path, manifest: Manifest | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.manifest = manifest
         index = self.model_dir / INDEX_FILE
         single = self.model_dir / SINGLE_FILE
         if index.is_file():
-            doc = json.loads(index.read_text())
-            self.files = {name: self.model_dir / f for name, f in doc["weight_map"].items()}
+            try:
+                doc = json.loads(index.read_text())
+                self.files = {str(name): self.model_dir / str(f) for name, f in doc["weight_map"].items()}
+            except (ValueError, KeyError, AttributeError) as exc:
+                raise ModelFormatError(f"{index} is not a safetensors index: {exc}") from None
+            missing = sorted({p.name for p in self.files.values() if not p.is_file()})
+            if missing:
+                raise ModelFormatError(f"{self.model_dir} lacks weight files its index names: {', '.join(missing)}")
         elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+            header, _ = read_header(single)
+            self.files = {name: single for name in header}
         else:
             raise ModelFormatError(f"{self.model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+        self._headers: dict[Path, tuple[dict[str, dict[str, object]], int]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -51,18 +85,44 @@ class CheckpointIndex:
     def names_with_prefix(self, prefix: str) -> list[str]:
         return sorted(n for n in self.files if n.startswith(prefix))
 
-    def load(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read the named tensors (and nothing else), grouped by file."""
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
+    def _header(self, path: Path) -> tuple[dict[str, dict[str, object]], int]:
+        if path not in self._headers:
+            self._headers[path] = read_header(path)
+        return self._headers[path]
+
+    def entry(self, name: str) -> dict[str, object]:
+        """The tensor's header entry (``dtype``, ``shape``, ``data_offsets``)."""
+        header, _ = self._header(self.files[name])
+        if name not in header:
+            raise ModelFormatError(f"tensor {name!r} is listed in the index but not in {self.files[name].name}")
+        return header[name]
+
+    def load(self, names: Iterable[str], dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Read the named tensors (and nothing else) as ``dtype`` on ``device``, checked against the
+        manifest when there is one."""
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(names, key=lambda n: (str(self.files.get(n, "")), n)):
             if name not in self.files:
                 raise ModelFormatError(f"tensor {name!r} is not in the checkpoint at {self.model_dir}")
-            by_file.setdefault(self.files[name], []).append(name)
-        out: dict[str, torch.Tensor] = {}
-        for path, file_names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for name in file_names:
-                    # Copy out of the file mapping: the shard owns its weights, and a model file
-                    # replaced on disk while the peer runs cannot pull pages from under it.
-                    out[name] = f.get_tensor(name).to(dtype).clone()
+            path = self.files[name]
+            _header, data_start = self._header(path)
+            info = self.entry(name)
+            stored = STORED_DTYPES.get(str(info["dtype"]))
+            if stored is None:
+                raise ModelFormatError(f"tensor {name!r} is stored as {info['dtype']}, which meshd does not read")
+            begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
+            raw = bytearray(end - begin)
+            with path.open("rb") as f:
+                f.seek(data_start + begin)
+                if f.readinto(raw) != len(raw):
+                    raise ModelFormatError(f"{path} is truncated inside tensor {name!r}")
+            if self.manifest is not None:
+                expected = self.manifest.tensors.get(name)
+                if expected is None or expected.sha256 != hashlib.sha256(raw).hexdigest():
+                    raise ModelFormatError(f"tensor {name!r} does not match the checkpoint's manifest "
+                                           "(the file changed or is damaged since it was hashed)")
+            shape = [int(d) for d in info["shape"]]  # type: ignore[attr-defined]
+            tensor = torch.frombuffer(raw, dtype=stored).reshape(shape) if raw else torch.empty(shape, dtype=stored)
+            out[name] = tensor.to(dtype=dtype, device=device)
         return out

@@ -1,26 +1,30 @@
-"""What a peer can say about a model directory without loading it: identity, sizes, compat key.
+"""What a peer can say about a model directory before loading it: identity, sizes, numerics, compat key.
 
 The compat key is what hops of one route must agree on exactly: a hash of the architecture
-adapter, the wire dtype and bundle schema, the config, the tokenizer files, and the weight files'
-safetensors headers (every tensor's name, dtype, shape and offsets) with each file's size. Two
-peers with the same key run the same computation on the same boundary format.
+adapter, the weights manifest (every tensor's name, dtype, shape and the hash of its bytes), the
+config and tokenizer files, the numerics class (held dtype, device kind, how linears run) and the
+bundle schema. Two peers with the same key run the same computation on the same tensors, with the
+same boundary format; two checkpoints that differ in one tensor never share a route.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshd.errors import ModelFormatError
+import torch
+
 from meshd.runtime.adapters import adapter_for
-from meshd.runtime.loader import INDEX_FILE, SINGLE_FILE, load_config
+from meshd.runtime.devices import resolve_device
+from meshd.runtime.loader import CheckpointIndex, load_config, weight_files
+from meshd.runtime.manifest import Manifest, weights_manifest
+from meshd.runtime.numerics import Choice, Numerics, calibrate, default_numerics
 from meshd.wire.bundle import SCHEMA_VERSION
 
-WIRE_DTYPE = "float32"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model")
 CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -31,33 +35,18 @@ class ModelInfo:
     architecture: str
     n_layers: int
     hidden_size: int
-    layer_bytes: int
-    edge_bytes: int
+    layer_bytes: int       # bytes one decoder layer takes at the held dtype
+    edge_bytes: int        # bytes of the embedding (and of the LM head) at the held dtype
     compat_key: str
     tokenizer_digest: str
     weights_digest: str
     context_length: int
+    numerics: Numerics
+    manifest: Manifest
 
-
-def _safetensors_header(path: Path) -> bytes:
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ModelFormatError(f"{path} is not a safetensors file")
-        (size,) = struct.unpack("<Q", raw)
-        if size > 100 * 1024 * 1024:
-            raise ModelFormatError(f"{path} has an implausible header size {size}")
-        return f.read(size)
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    if (model_dir / SINGLE_FILE).is_file():
-        return [model_dir / SINGLE_FILE]
-    raise ModelFormatError(f"{model_dir} has no safetensors weights")
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.numerics.dtype
 
 
 def tokenizer_digest_of(files: dict[str, bytes]) -> str:
@@ -67,9 +56,9 @@ def tokenizer_digest_of(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def compat_key_of(architecture: str, tokenizer_digest: str, weights_digest: str) -> str:
+def compat_key_of(architecture: str, tokenizer_digest: str, weights_digest: str, numerics: str) -> str:
     h = hashlib.sha256()
-    for part in (architecture, WIRE_DTYPE, str(SCHEMA_VERSION), tokenizer_digest, weights_digest):
+    for part in (architecture, numerics, str(SCHEMA_VERSION), tokenizer_digest, weights_digest):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:32]
 
@@ -79,32 +68,84 @@ def read_small_files(model_dir: Path) -> dict[str, bytes]:
     return {n: (model_dir / n).read_bytes() for n in (*CONFIG_FILES, *TOKENIZER_FILES) if (model_dir / n).is_file()}
 
 
-def describe_model(model_dir: Path, model_id: str | None = None) -> ModelInfo:
+def _bytes_of(index: CheckpointIndex, names: list[str], itemsize: int) -> int:
+    total = 0
+    for name in names:
+        shape = index.entry(name)["shape"]
+        n = 1
+        for d in shape:  # type: ignore[attr-defined]
+            n *= int(d)
+        total += n * itemsize
+    return total
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    n_layers: int
+    layer_bytes: int
+    edge_bytes: int
+
+
+def model_sizes(model_dir: Path, dtype: torch.dtype | None = None) -> ModelSizes:
+    """Layer and embedding bytes at ``dtype`` (default: as stored), from the headers alone."""
+    from meshd.runtime.loader import checkpoint_dtype
+
+    config = load_config(model_dir)
+    adapter = adapter_for(config)
+    index = CheckpointIndex(model_dir)
+    itemsize = torch.empty((), dtype=dtype or checkpoint_dtype(model_dir)).element_size()
+    layer_bytes = _bytes_of(index, index.names_with_prefix(adapter.layer_tensor_prefix(0)), itemsize)
+    edge_bytes = _bytes_of(index, [adapter.embed_tensor], itemsize) if adapter.embed_tensor in index else 0
+    return ModelSizes(config.num_hidden_layers, layer_bytes, edge_bytes)
+
+
+def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", prefill_rows: int = 128) -> Choice:
+    """The numerics a shard of this model uses here: the requested dtype (``auto``: the checkpoint's
+    own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``)."""
+    from meshd.runtime.shard import resolve_dtype
+
+    model_dir = Path(model_dir)
+    held = resolve_dtype(dtype, model_dir)
+    base = default_numerics(held, resolve_device(device))
+    config = load_config(model_dir)
+    adapter = adapter_for(config)
+    index = CheckpointIndex(model_dir)
+    shapes: list[tuple[int, int]] = []
+    for name in index.names_with_prefix(adapter.layer_tensor_prefix(0)):
+        shape = index.entry(name)["shape"]
+        if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name:  # type: ignore[arg-type]
+            shapes.append((int(shape[0]), int(shape[1])))  # type: ignore[index]
+    if not shapes:
+        return Choice(base, {})
+    return calibrate(base, shapes, prefill_rows)
+
+
+def describe_model(model_dir: Path, model_id: str | None = None, *, numerics: Numerics | None = None,
+                   cache_dir: Path | None = None, say: Callable[[str], None] | None = None) -> ModelInfo:
+    """Everything a card says about the model, without loading a tensor (though reading each once
+    to hash it, unless the manifest cache has it). ``numerics`` defaults to the checkpoint's dtype on
+    the CPU."""
+    from meshd.runtime.loader import checkpoint_dtype
+
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     adapter = adapter_for(config)
-    weights = hashlib.sha256()
-    for path in weight_files(model_dir):
-        weights.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        weights.update(_safetensors_header(path))
+    numerics = numerics or default_numerics(checkpoint_dtype(model_dir), "cpu")
+    manifest = weights_manifest(weight_files(model_dir), cache_dir, say)
     tok_digest = tokenizer_digest_of(read_small_files(model_dir))
-    h, n_heads = config.hidden_size, config.num_attention_heads
-    kv_heads, head_dim = adapter.kv_heads_and_dim(config)
-    kv = kv_heads * head_dim
-    attn = h * n_heads * head_dim * 2 + h * kv * 2
-    mlp = 3 * h * config.intermediate_size
-    layer_bytes = 4 * (attn + mlp + 2 * h)
-    edge_bytes = 4 * config.vocab_size * h
+    sizes = model_sizes(model_dir, numerics.dtype)
     return ModelInfo(
         model_id=model_id or model_dir.name,
         model_dir=model_dir,
         architecture=adapter.architecture,
         n_layers=config.num_hidden_layers,
-        hidden_size=h,
-        layer_bytes=layer_bytes,
-        edge_bytes=edge_bytes,
-        compat_key=compat_key_of(adapter.architecture, tok_digest, weights.hexdigest()),
+        hidden_size=config.hidden_size,
+        layer_bytes=sizes.layer_bytes,
+        edge_bytes=sizes.edge_bytes,
+        compat_key=compat_key_of(adapter.architecture, tok_digest, manifest.digest, numerics.name),
         tokenizer_digest=tok_digest,
-        weights_digest=weights.hexdigest(),
+        weights_digest=manifest.digest,
         context_length=int(getattr(config, "max_position_embeddings", 2048)),
+        numerics=numerics,
+        manifest=manifest,
     )

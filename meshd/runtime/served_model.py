@@ -1,8 +1,9 @@
 """The model this peer offers, and the one shard of it that it loads: placement, loading, speed.
 
 A peer offers one model directory. Its range comes from the operator (``--layers``) or from the
-tracker's placement order; either way it loads once, measures how fast it decodes its range, and
-from then on its capability card says so.
+tracker's placement order; either way it loads once, checks that the shard computes
+(:mod:`meshd.runtime.doctor`), measures how fast it decodes its range, and from then on its card says
+so. A range that fails to load or to pass the checks is not served: the card says why instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.runtime.doctor import Check, check_shard
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo
 from meshd.runtime.speed_probe import measure_decode_tok_s
@@ -28,13 +30,16 @@ class PlacementRefused(MeshError):
 
 class ServedModel:
     def __init__(self, info: ModelInfo, host: ShardHost, pinned: tuple[int, int] | None = None,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None, measured_ms: dict[str, float] | None = None) -> None:
         self.info = info
         self.host = host
         self.pinned = pinned
         self.on_change = on_change
+        self.measured_ms = measured_ms or {}  # what choosing the numerics measured
         self.decode_tok_s = 0.0
         self.load_started = False
+        self.error = ""          # why no range is served, after a failed load or check
+        self.checks: list[Check] = []
 
     @property
     def range(self) -> tuple[int, int] | None:
@@ -50,6 +55,7 @@ class ServedModel:
             model_id=info.model_id, compat_key=info.compat_key, n_layers=info.n_layers, range_start=start,
             range_end=loaded[1] if loaded else 0, decode_tok_s=self.decode_tok_s, pinned=self.pinned is not None,
             layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes, context_length=info.context_length,
+            numerics=info.numerics.name, shard_error=self.error,
         )
 
     def accept(self, order: rpb.PlacementOrder) -> tuple[int, int] | None:
@@ -64,15 +70,24 @@ class ServedModel:
             raise PlacementRefused(f"placement range [{start}, {end}) is outside the model's {info.n_layers} layers")
         if self.pinned is not None:
             raise PlacementRefused(f"this peer's range is pinned to {list(self.pinned)}")
+        if self.error:
+            raise PlacementRefused(f"this peer's shard failed its checks: {self.error}")
         if self.load_started:
             return None
         self.load_started = True
         return start, end
 
     async def load(self, start: int, end: int) -> None:
-        """Load ``[start, end)``, measure its decode speed, and tell the card."""
+        """Load ``[start, end)``, check it, measure its decode speed, and tell the card; a failure is
+        recorded and said by the card, never raised (the peer goes on without a range)."""
         self.load_started = True
-        await self.host.load(start, end)
-        self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())
-        log.info("layers [%d, %d) decode at %.1f tok/s on this peer", start, end, self.decode_tok_s)
+        try:
+            self.checks = await self.host.load(start, end, check=check_shard) or []
+            self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())
+        except MeshError as exc:
+            self.error = str(exc)
+            log.error("layers [%d, %d) of %s are not served: %s", start, end, self.info.model_id, exc)
+        else:
+            log.info("layers [%d, %d) passed their checks and decode at %.1f tok/s on this peer", start, end,
+                     self.decode_tok_s)
         self.on_change()

@@ -4,6 +4,9 @@ The head shard (``start == 0``) also owns the token embedding; the tail shard (`
 also owns the final norm, the LM head and sampling. A shard loads only its own tensors, keeps KV
 state per ``(session_id, epoch)`` for its own layers, and checks every incoming bundle against what it
 holds before computing: the layer range, the input tensor's dtype and shape, and the position.
+
+Prefill chunks run one at a time; decode steps run through one code path whether one session or
+many take part, so that a session's tokens never depend on the others (:mod:`meshd.runtime.numerics`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMismatch, RangeMismatch, ShapeMismatch
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
+from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, decode_rows
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
-from meshd.runtime.loader import CheckpointIndex, load_config
+from meshd.runtime.loader import CheckpointIndex, checkpoint_dtype, load_config
+from meshd.runtime.manifest import Manifest
+from meshd.runtime.numerics import DTYPES, Numerics, default_numerics
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 
@@ -62,6 +69,17 @@ class StepResult:
     compute_ms: float = 0.0
 
 
+def resolve_dtype(requested: str | torch.dtype, model_dir: Path) -> torch.dtype:
+    """``auto`` -> the checkpoint's own dtype (never larger than it, never lossier), else the named one."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested == "auto":
+        return checkpoint_dtype(model_dir)
+    if requested not in DTYPES:
+        raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
+
+
 class Shard:
     def __init__(
         self,
@@ -69,6 +87,10 @@ class Shard:
         start: int,
         end: int,
         *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        numerics: Numerics | None = None,
+        manifest: Manifest | None = None,
         max_chunk_tokens: int = 512,
         kv_budget_bytes: int | None = None,
         session_ttl_s: float = 600.0,
@@ -78,52 +100,65 @@ class Shard:
         self.model_dir = Path(model_dir)
         self.config = load_config(self.model_dir)
         self.adapter: ArchitectureAdapter = adapter_for(self.config)
+        self.config._attn_implementation = ATTENTION_NAME
+        self.config.meshd_attention = self.adapter.attention_implementation(self.config)
+        # experts as a loop of plain linears: what the numerics' row tiles apply to (a grouped GEMM's
+        # rows would depend on which other tokens chose the same expert)
+        self.config._experts_implementation = "eager"
         n_layers = self.config.num_hidden_layers
         if not 0 <= start < end <= n_layers:
             raise RangeMismatch(f"layer range [{start}, {end}) is not inside [0, {n_layers})")
-        dtype = torch.float32
+        held = numerics.dtype if numerics is not None else resolve_dtype(dtype, self.model_dir)
+        self.numerics = numerics or default_numerics(held, device)
+        self.device = torch.device(self.numerics.device)
         self.spec = ShardSpec(
             model_type=self.config.model_type, n_layers=n_layers, start=start, end=end,
-            hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size, dtype=dtype,
+            hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size, dtype=held,
         )
+        self.batch_invariant = rows_align(self.config)
         self.max_chunk_tokens = max_chunk_tokens
         self.keep_logits = keep_logits
         self.kv = KVManager(budget_bytes=kv_budget_bytes, ttl_s=session_ttl_s, clock=clock)
-        self._load(CheckpointIndex(self.model_dir), dtype)
+        self._load(CheckpointIndex(self.model_dir, manifest))
 
     # -- loading ---------------------------------------------------------------------------------
 
-    def _load(self, index: CheckpointIndex, dtype: torch.dtype) -> None:
+    def _load(self, index: CheckpointIndex) -> None:
         a, cfg, spec = self.adapter, self.config, self.spec
-        self.embed: nn.Embedding | None = None
+        dtype, device = spec.dtype, self.device
+        self.embed: nn.Module | None = None
         self.norm: nn.Module | None = None
         self.lm_head: nn.Linear | None = None
         if spec.is_head:
-            weight = index.load([a.embed_tensor], dtype)[a.embed_tensor]
-            self.embed = nn.Embedding.from_pretrained(weight, freeze=True)
+            weight = index.load([a.embed_tensor], dtype, device)[a.embed_tensor]
+            self.embed = a.embedding(cfg, weight).to(device)
         layers = []
         for i in range(spec.start, spec.end):
             prefix = a.layer_tensor_prefix(i)
             names = index.names_with_prefix(prefix)
             if not names:
                 raise ModelFormatError(f"checkpoint has no tensors for layer {i}")
-            state = {n[len(prefix):]: t for n, t in index.load(names, dtype).items()}
+            state = a.layer_state({n[len(prefix):]: t for n, t in index.load(names, dtype, device).items()}, cfg)
             with torch.device("meta"):
                 layer = a.decoder_layer(cfg, layer_idx=i)
-            layer.load_state_dict(state, strict=True, assign=True)
+            try:
+                layer.load_state_dict(state, strict=True, assign=True)
+            except RuntimeError as exc:
+                raise ModelFormatError(f"layer {i} does not match the config: {exc}") from None
             layers.append(layer.eval())
         self.layers = nn.ModuleList(layers)
         self.windows = [a.sliding_window_of(cfg, i) for i in range(spec.start, spec.end)]
-        self.rotary = a.rotary_embedding(config=cfg)
+        self.layer_types = [a.layer_type_of(cfg, i) for i in range(spec.start, spec.end)]
+        self.rotary = a.rotary_embedding(cfg).to(device)
         if spec.is_tail:
-            norm = a.norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            norm.weight = nn.Parameter(index.load([a.norm_tensor], dtype)[a.norm_tensor], requires_grad=False)
-            self.norm = norm.eval()
+            norm = a.norm(cfg)
+            norm.weight = nn.Parameter(index.load([a.norm_tensor], dtype, device)[a.norm_tensor], requires_grad=False)
+            self.norm = norm.to(device).eval()
             head_name = a.lm_head_tensor
             if getattr(cfg, "tie_word_embeddings", False) or head_name not in index:
                 head_name = a.embed_tensor
             head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-            head.weight = nn.Parameter(index.load([head_name], dtype)[head_name], requires_grad=False)
+            head.weight = nn.Parameter(index.load([head_name], dtype, device)[head_name], requires_grad=False)
             self.lm_head = head
 
     def parameter_bytes(self) -> int:
@@ -152,6 +187,11 @@ class Shard:
 
     def forward(self, bundle: HiddenStateBundle) -> StepResult:
         """Run one bundle through this shard's layers; on any error the session is left as it was."""
+        if bundle.phase == Phase.DECODE and bundle.start_position > 0:
+            result = self.forward_batch([bundle])[0]
+            if isinstance(result, Exception):
+                raise result
+            return result
         x = self._check(bundle)
         key: SessionKey = (bundle.session_id, bundle.epoch)
         if bundle.start_position == 0:
@@ -162,7 +202,7 @@ class Shard:
             session = self._session_at(bundle)
         before = session.length
         try:
-            result = self._compute(x, session, bundle)
+            result = self._compute_prefill(x, session, bundle)
         except BaseException:
             session.truncate(before)
             if before == 0:
@@ -175,14 +215,14 @@ class Shard:
         return result
 
     def forward_batch(self, bundles: Sequence[HiddenStateBundle]) -> list[StepResult | Exception]:
-        """Run decode steps of different sessions as one batched forward.
+        """Run decode steps of one or more sessions as one decode step.
 
         Every bundle is checked on its own first; one that fails (wrong range, shape or position,
         an unknown session, a prefill, a second step of a session already in the batch) gets its
         error in its slot and the rest run without it. The sessions' positions and KV lengths may
-        all differ: each session's keys and values stay in its own cache, and the batch attends to
-        them padded to the longest with a mask. If the batched compute itself fails, every session
-        is rolled back and the steps are run one by one, so an error stays with the step causing it.
+        all differ: each session's keys and values stay in its own cache, and each session attends
+        over exactly its own. If the compute itself fails, every session is rolled back and each step
+        is run again on its own, so an error stays with the step causing it.
         """
         results: list[StepResult | Exception | None] = [None] * len(bundles)
         ready: list[tuple[int, torch.Tensor, SessionKV]] = []
@@ -201,28 +241,33 @@ class Shard:
                 continue
             seen.add(key)
             ready.append((i, x, session))
-        if len(ready) == 1:
-            i = ready[0][0]
-            results[i] = self._forward_or_error(bundles[i])
-        elif ready:
-            sessions = [s for _, _, s in ready]
-            before = [s.length for s in sessions]
-            try:
-                outs = self._compute_batch([x for _, x, _ in ready], sessions, [bundles[i] for i, _, _ in ready])
-            except Exception:
-                for session, length in zip(sessions, before, strict=True):
-                    session.truncate(length)
+        if not ready:
+            return results  # type: ignore[return-value]
+        if len(ready) > 1 and not self.batch_invariant:  # one at a time: see rows_align
+            for i, _, _ in ready:
+                results[i] = self._forward_or_error(bundles[i])
+            return results  # type: ignore[return-value]
+        sessions = [s for _, _, s in ready]
+        before = [s.length for s in sessions]
+        try:
+            outs = self._compute_decode([x for _, x, _ in ready], sessions, [bundles[i] for i, _, _ in ready])
+        except Exception as exc:
+            for session, length in zip(sessions, before, strict=True):
+                session.truncate(length)
+            if len(ready) == 1:
+                results[ready[0][0]] = exc
+            else:
                 for i, _, _ in ready:
                     results[i] = self._forward_or_error(bundles[i])
+            return results  # type: ignore[return-value]
+        for (i, _, session), out in zip(ready, outs, strict=True):
+            session.length += 1
+            try:
+                self.kv.commit(session.key)
+            except Exception as exc:
+                results[i] = exc
             else:
-                for (i, _, session), out in zip(ready, outs, strict=True):
-                    session.length += 1
-                    try:
-                        self.kv.commit(session.key)
-                    except Exception as exc:
-                        results[i] = exc
-                    else:
-                        results[i] = out
+                results[i] = out
         return results  # type: ignore[return-value]
 
     def _forward_or_error(self, bundle: HiddenStateBundle) -> StepResult | Exception:
@@ -265,7 +310,7 @@ class Shard:
                 raise ShapeMismatch(f"{INPUT_IDS!r} has shape {list(ids.shape)}, expected [{n}]")
             if int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size:
                 raise ShapeMismatch(f"token ids must lie in [0, {spec.vocab_size})")
-            return ids
+            return ids.to(self.device)
         hidden = bundle.tensors.get(HIDDEN_STATES)
         if hidden is None:
             raise ShapeMismatch(f"shard [{spec.start}, {spec.end}) needs a {HIDDEN_STATES!r} tensor")
@@ -275,118 +320,118 @@ class Shard:
             raise ShapeMismatch(
                 f"{HIDDEN_STATES!r} has shape {list(hidden.shape)}, expected [{n}, {spec.hidden_size}]"
             )
-        return hidden
+        return hidden.to(self.device)
+
+    # -- compute ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
+    def _compute_prefill(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
         start, n = bundle.start_position, bundle.token_count
-        hidden = self.embed(x) if self.embed is not None else x
-        hidden = hidden.unsqueeze(0)
-        position_ids = torch.arange(start, start + n, dtype=torch.long).unsqueeze(0)
-        hidden = self._run_layers(hidden, position_ids, session, lambda window: _attention_mask(start, n, window))
-        if self.lm_head is None:
-            return StepResult(hidden_states=hidden[0])
-        if not bundle.sample:
-            return StepResult()
-        assert self.norm is not None
-        last = self.norm(hidden[:, -1:, :])
-        logits = self.lm_head(last)[0, -1]
+        with self.numerics.prefill():
+            hidden = self.embed(x) if self.embed is not None else x
+            hidden = hidden.unsqueeze(0)
+            position_ids = torch.arange(start, start + n, dtype=torch.long, device=self.device).unsqueeze(0)
+            masks = {w: _attention_mask(start, n, w, self.device) for w in set(self.windows)}
+            hidden = self._run_layers(hidden, position_ids, session, masks)
+            if self.lm_head is None:
+                return StepResult(hidden_states=hidden[0])
+            if not bundle.sample:
+                return StepResult()
+            logits = self._logits(hidden[:, -1:, :])[0]
         token = sample_token(logits, session.sampling, position=start + n)
         return StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
 
-    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | BatchCache,
-                    mask_for: Callable[[int | None], torch.Tensor | None]) -> torch.Tensor:
-        """This shard's decoder layers over ``hidden``; one attention mask per sliding-window size."""
-        position_embeddings = self.rotary(hidden, position_ids)
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for layer, window in zip(self.layers, self.windows, strict=True):
-            if window not in masks:
-                masks[window] = mask_for(window)
+    @torch.inference_mode()
+    def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
+                        bundles: list[HiddenStateBundle]) -> list[StepResult]:
+        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` step."""
+        lengths = [s.length for s in sessions]
+        masks = {w: [_decode_mask(length, w, self.device) for length in lengths] for w in set(self.windows)}
+        rows = DecodeRows(sessions, masks)
+        token = decode_rows().set(rows)
+        try:
+            with self.numerics.decode():
+                stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
+                hidden = self.embed(stacked) if self.embed is not None else stacked
+                position_ids = torch.tensor(lengths, dtype=torch.long, device=self.device).unsqueeze(1)
+                hidden = self._run_layers(hidden, position_ids, rows, {w: None for w in masks})
+                if self.lm_head is None:
+                    return [StepResult(hidden_states=hidden[b]) for b in range(len(sessions))]
+                wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
+                logits = self._logits(hidden[wanted, -1:, :]) if wanted else None
+        finally:
+            decode_rows().reset(token)
+        results = [StepResult() for _ in bundles]
+        if logits is not None:
+            for row, b in enumerate(wanted):
+                token_id = sample_token(logits[row], sessions[b].sampling, position=lengths[b] + 1)
+                results[b] = StepResult(token=token_id, logits=logits[row].clone() if self.keep_logits else None)
+        return results
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, hidden]`` last positions -> ``[B, vocab]`` float32 logits, as the family's CausalLM gives."""
+        assert self.norm is not None and self.lm_head is not None
+        logits = self.adapter.logits(self.config, self.lm_head(self.norm(last)))
+        return logits[:, -1].float().cpu()
+
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | DecodeRows,
+                    masks: dict[int | None, torch.Tensor | None]) -> torch.Tensor:
+        """This shard's decoder layers over ``hidden``, with rotary tables per layer type and one
+        attention mask per sliding-window size."""
+        position_embeddings = {t: self.adapter.position_embeddings(self.rotary, hidden, position_ids, t)
+                               for t in set(self.layer_types)}
+        for layer, window, layer_type in zip(self.layers, self.windows, self.layer_types, strict=True):
+            if isinstance(cache, DecodeRows):
+                cache.window = window
             hidden = layer(
                 hidden,
                 attention_mask=masks[window],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[layer_type],
             )
         return hidden
 
-    @torch.inference_mode()
-    def _compute_batch(self, xs: list[torch.Tensor], sessions: list[SessionKV],
-                       bundles: list[HiddenStateBundle]) -> list[StepResult]:
-        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` batch."""
-        stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
-        hidden = self.embed(stacked) if self.embed is not None else stacked
-        lengths = [s.length for s in sessions]
-        position_ids = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
-        hidden = self._run_layers(hidden, position_ids, BatchCache(sessions),
-                                  lambda window: _batch_decode_mask(lengths, window))
-        if self.lm_head is None:
-            return [StepResult(hidden_states=hidden[b]) for b in range(len(sessions))]
-        wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
-        results = [StepResult() for _ in bundles]
-        if wanted:
-            assert self.norm is not None
-            logits = self.lm_head(self.norm(hidden[wanted, -1:, :]))[:, -1]
-            for row, b in enumerate(wanted):
-                token = sample_token(logits[row], sessions[b].sampling, position=lengths[b] + 1)
-                results[b] = StepResult(token=token, logits=logits[row].clone() if self.keep_logits else None)
-        return results
+
+ROW_ALIGN = 32  # elements: CPU kernels run their vector loops over this many at a time, then a tail
 
 
-def _attention_mask(past: int, n: int, window: int | None) -> torch.Tensor | None:
+def rows_align(config: PretrainedConfig) -> bool:
+    """Whether a row of every activation of a decode step is a whole number of ``ROW_ALIGN`` elements.
+
+    Elementwise kernels (activations, norms, rotary) handle the tail of a tensor past its last full
+    vector block with scalar code, whose rounding differs; in a batch, the elements at a row's end are
+    in the middle of the tensor. When every row width is a multiple of the block, each row is computed
+    the same way wherever it sits, and decode steps may share a batch; every released model's widths
+    are (hidden, MLP and head sizes are multiples of 64). Otherwise a shard runs its decode steps one
+    session at a time, so that a reply still never depends on the batch.
+    """
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = [config.hidden_size, heads * head_dim, kv_heads * head_dim]
+    widths += [int(w) for w in (getattr(config, "intermediate_size", None),
+                                getattr(config, "moe_intermediate_size", None)) if w]
+    return all(w % ROW_ALIGN == 0 for w in widths) and head_dim % (ROW_ALIGN // 2) == 0
+
+
+def _attention_mask(past: int, n: int, window: int | None, device: torch.device) -> torch.Tensor | None:
     """Boolean mask (True = attend) for ``n`` new tokens after ``past`` cached ones, or None when
     plain causal attention (or, for one token, full attention) already gives the right result."""
     total = past + n
     windowed = window is not None and total > window
     if not windowed and (n == 1 or past == 0):
         return None
-    q = torch.arange(past, total).unsqueeze(1)
-    k = torch.arange(total).unsqueeze(0)
+    q = torch.arange(past, total, device=device).unsqueeze(1)
+    k = torch.arange(total, device=device).unsqueeze(0)
     allowed = k <= q
     if windowed:
+        assert window is not None
         allowed &= (q - k) < window
     return allowed.view(1, 1, n, total)
 
 
-def _batch_decode_mask(lengths: list[int], window: int | None) -> torch.Tensor:
-    """Boolean mask ``[B, 1, 1, max(lengths) + 1]`` for one new token per session: session ``b``
-    attends to its own ``lengths[b] + 1`` keys (the rest is padding), within its window if any."""
-    total = torch.tensor(lengths).unsqueeze(1) + 1  # keys each session holds after this step
-    k = torch.arange(max(lengths) + 1).unsqueeze(0)
-    allowed = k < total
-    if window is not None:
-        allowed &= (total - 1 - k) < window
-    return allowed.view(len(lengths), 1, 1, -1)
-
-
-class BatchCache:
-    """The cache the attention modules see during a batched decode step.
-
-    ``update`` appends each session's new keys and values to that session's own cache, then returns
-    the batch's history padded to the longest session, ``[B, kv_heads, max_len, head_dim]``; the
-    padding is masked out by :func:`_batch_decode_mask`.
-    """
-
-    def __init__(self, sessions: list[SessionKV]) -> None:
-        self.sessions = sessions
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
-               **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = [], []
-        for b, session in enumerate(self.sessions):
-            k, v = session.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)
-            keys.append(k[0])
-            values.append(v[0])
-        return _pad_stack(keys), _pad_stack(values)
-
-
-def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``[kv_heads, L_b, head_dim]`` tensors -> ``[B, kv_heads, max L_b, head_dim]``, zero-padded."""
-    longest = max(t.shape[-2] for t in tensors)
-    heads, dim = tensors[0].shape[0], tensors[0].shape[-1]
-    out = tensors[0].new_zeros(len(tensors), heads, longest, dim)
-    for b, t in enumerate(tensors):
-        out[b, :, : t.shape[-2]] = t
-    return out
+def _decode_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The mask of one decode token after ``length`` cached ones: None when it sees them all."""
+    return _attention_mask(length, 1, window, device)

@@ -103,6 +103,8 @@ def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
     """The models a card offers, one :class:`ShardOffer` each."""
     out = []
     for m in card.models:
+        if m.shard_error:  # its shard failed its checks: neither placed nor routed
+            continue
         placed = m.range_end > m.range_start
         layers = (m.range_end - m.range_start) if placed else m.n_layers
         ms_per_layer = 1000.0 / (m.decode_tok_s * layers) if m.decode_tok_s > 0 and layers else 1.0

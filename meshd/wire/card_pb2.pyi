@@ -21,17 +21,19 @@ DEAD: MemberState
 LEFT: MemberState
 
 class Hardware(_message.Message):
-    __slots__ = ("ram_bytes", "device", "cpu_count")
+    __slots__ = ("ram_bytes", "device", "cpu_count", "device_memory_bytes")
     RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ram_bytes: int
     device: str
     cpu_count: int
-    def __init__(self, ram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., cpu_count: _Optional[int] = ...) -> None: ...
+    device_memory_bytes: int
+    def __init__(self, ram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., cpu_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelServed(_message.Message):
-    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length")
+    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +44,8 @@ class ModelServed(_message.Message):
     LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
     EDGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ERROR_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     n_layers: int
@@ -52,7 +56,9 @@ class ModelServed(_message.Message):
     layer_bytes: int
     edge_bytes: int
     context_length: int
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ...) -> None: ...
+    numerics: str
+    shard_error: str
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("active_sessions", "queued")

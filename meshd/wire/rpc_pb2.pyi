@@ -90,7 +90,7 @@ class ModelFilesRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ...) -> None: ...
 
 class ModelFiles(_message.Message):
-    __slots__ = ("files", "architecture", "weights_digest")
+    __slots__ = ("files", "architecture", "weights_digest", "numerics")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,10 +101,12 @@ class ModelFiles(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     files: _containers.ScalarMap[str, bytes]
     architecture: str
     weights_digest: str
-    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., architecture: _Optional[str] = ..., weights_digest: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., architecture: _Optional[str] = ..., weights_digest: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class DialbackRequest(_message.Message):
     __slots__ = ("address",)

@@ -1,0 +1,97 @@
+"""Attention for shards: each session attends over exactly its own keys, batched or not.
+
+A batched decode step computes several sessions' projections together, but attention must not mix
+them: a session's result would then depend on the other sessions' lengths (padding changes the
+reduction the kernel does). So the step's cache (:class:`DecodeRows`) hands each session's own keys
+and values to this attention function, which runs the family's attention once per session with
+that session's exact key length, the same call whether the session is alone or one of many. Prefill
+chunks (one session) go straight through.
+
+The function is registered with transformers' ``AttentionInterface`` as ``meshd``; a shard's config
+names it, and ``config.meshd_attention`` says which kernel runs underneath: ``sdpa``, or the family's
+own ``eager`` function where the model soft-caps attention logits (sdpa would skip the cap).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ATTENTION_NAME = "meshd"
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class DecodeRows:
+    """The cache of a decode step over ``sessions``: it appends each session's new keys and values to
+    that session's own cache and keeps, for the layer being computed, each session's whole history
+    and attention mask for :func:`attention` to use."""
+
+    def __init__(self, sessions: list[Any], masks: dict[int | None, list[torch.Tensor | None]]) -> None:
+        self.sessions = sessions
+        self.masks = masks  # by sliding window: one boolean mask (or None) per session
+        self.window: int | None = None  # set by the shard before each layer
+        self.current: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
+               **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        self.current = [session.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)
+                        for b, session in enumerate(self.sessions)]
+        return key_states, value_states  # placeholders: attention reads ``current``
+
+
+_ROWS: contextvars.ContextVar[DecodeRows | None] = contextvars.ContextVar("meshd_decode_rows", default=None)
+
+
+def decode_rows() -> contextvars.ContextVar[DecodeRows | None]:
+    """The context variable a shard sets around a decode step."""
+    return _ROWS
+
+
+def _kernel(module: nn.Module) -> AttentionFn:
+    if getattr(module.config, "meshd_attention", "sdpa") == "eager":
+        fn: AttentionFn = importlib.import_module(type(module).__module__).eager_attention_forward
+        return fn
+    return sdpa_attention_forward
+
+
+def _for_kernel(kernel: AttentionFn, mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """A boolean mask (True = attend) as the kernel takes it: sdpa takes booleans (None: causal),
+    eager adds a float mask, and needs one for causality."""
+    if kernel is sdpa_attention_forward:
+        return mask
+    if mask is None:
+        if q_len == 1:
+            return None
+        past = k_len - q_len
+        q = torch.arange(past, k_len, device=device).unsqueeze(1)
+        mask = (torch.arange(k_len, device=device).unsqueeze(0) <= q).view(1, 1, q_len, k_len)
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kernel = _kernel(module)
+    rows = _ROWS.get()
+    if rows is None:  # one session (a prefill chunk): its own cache already returned its whole history
+        mask = _for_kernel(kernel, attention_mask, query.shape[2], key.shape[2], query.dtype, query.device)
+        return kernel(module, query, key, value, mask, **kwargs)
+    outputs = []
+    masks = rows.masks[rows.window]
+    for b, (k, v) in enumerate(rows.current):
+        mask = _for_kernel(kernel, masks[b], 1, k.shape[2], query.dtype, query.device)
+        out, _weights = kernel(module, query[b : b + 1].contiguous(), k, v, mask, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=0), None
+
+
+ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention)

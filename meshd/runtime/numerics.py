@@ -1,0 +1,194 @@
+"""How a shard computes: the dtype it holds weights and activations in, and how its linears run.
+
+Two rules shape this module.
+
+1. A reply never depends on what else a peer is running. A GEMM's rows are not independent of one
+   another in floating point: the kernel picks its blocking (and for one row a different kernel
+   altogether) by the number of rows, so the same row computed alone and inside a batch can differ
+   in its last bits, enough to flip a greedy choice now and then. So decode steps run their linears
+   in GEMMs of exactly ``decode_rows`` rows (padding the last tile); a session's row is then computed
+   by the same kernel on the same shape whether it is alone or one of many. Attention is computed per
+   session (:mod:`meshd.runtime.attention`), and elementwise kernels need rows of whole vector blocks
+   (:func:`meshd.runtime.shard.rows_align`). Prefill chunks run alone, as themselves. The numerics
+   thus follow the kind of step, prefill or decode, and never the batch a step happens to share.
+
+2. Weights stay in the checkpoint's dtype unless the operator asks otherwise (a bf16 checkpoint needs
+   half the memory of its fp32 copy), but the fastest arithmetic for them depends on the shape of the
+   step. A bf16 or fp16 shard may compute a linear as an fp32 GEMM over weights upcast on the fly
+   (``prefill_fp32``, ``decode_fp32``) and round the result back to its dtype: activations, KV and
+   the seam stay in the held dtype.
+
+Which of those choices wins is measured when a peer starts (:func:`calibrate`: one layer's linears,
+random weights), with a margin so that machines of one kind pick alike; layers too small for the
+choice to matter keep the defaults. Measured on the 2-core AVX2 development machine for 8 layers of the
+``bench`` shapes (56 linears): one decode row takes 12 ms in fp32 and 12 ms in bf16 (20 ms upcast);
+8 rows take 28 ms as one fp32 GEMM and 62 ms row by row; a 512-row prefill chunk takes 286 ms in
+fp32, 1495 ms in bf16 and 308 ms upcast. So there a bf16 shard prefills upcast and decodes natively,
+and decode runs one row at a time (a tile of 8 would cost a lone session 2.3 times a single row).
+The choice is part of the shard's numerics class, which the compat key covers: hops of one route
+compute the same way, so a split run equals one process bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+TILE_ROWS = 8        # rows per decode GEMM when decode steps are batched by tiles
+MARGIN = 1.25        # an alternative must be this much faster to be chosen (stable choices across peers)
+MIN_MEASURED_PARAMETERS = 1_000_000  # smaller layers: the choice cannot matter, and timing them is noise
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """A shard's numerics: held dtype, device kind, and how prefill and decode linears run."""
+
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    prefill_fp32: bool = False  # prefill linears as fp32 GEMMs of upcast weights (bf16/fp16 held)
+    decode_fp32: bool = False   # decode linears the same way
+    decode_rows: int = 1        # decode linears run in GEMMs of exactly this many rows
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def device_kind(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def name(self) -> str:
+        """A stable name of the class, for cards, status and the compat key."""
+        prefill = "fp32" if self.prefill_fp32 else "native"
+        decode = "fp32" if self.decode_fp32 else "native"
+        return f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{self.decode_rows}"
+
+    @contextmanager
+    def prefill(self) -> Iterator[None]:
+        with _Linears(rows=None, upcast=self.prefill_fp32 and self.dtype != torch.float32):
+            yield
+
+    @contextmanager
+    def decode(self) -> Iterator[None]:
+        with _Linears(rows=self.decode_rows, upcast=self.decode_fp32 and self.dtype != torch.float32):
+            yield
+
+
+class _Linears(TorchFunctionMode):
+    """Runs every ``F.linear`` of a step as the numerics say: in fixed row tiles, in fp32, or both."""
+
+    def __init__(self, rows: int | None, upcast: bool) -> None:
+        super().__init__()
+        self.rows = rows
+        self.upcast = upcast
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x: torch.Tensor = args[0]
+        weight: torch.Tensor = args[1]
+        bias: torch.Tensor | None = args[2] if len(args) > 2 else kwargs.get("bias")
+        if self.rows is None:
+            return self._linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        n, rows = flat.shape[0], self.rows
+        tiles = []
+        for start in range(0, n, rows):
+            tile = flat[start : start + rows]
+            if tile.shape[0] < rows:
+                tile = torch.cat([tile, tile.new_zeros(rows - tile.shape[0], tile.shape[1])])
+            tiles.append(self._linear(tile, weight, bias))
+        out = torch.cat(tiles)[:n]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.upcast:
+            return F.linear(x, weight, bias)
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+
+def default_numerics(dtype: torch.dtype, device: str) -> Numerics:
+    """What a shard uses before anything is measured: native arithmetic, tiles on accelerators
+    (their kernels choose algorithms by shape), one row at a time on a CPU."""
+    rows = TILE_ROWS if device != "cpu" else 1
+    return Numerics(dtype=dtype, device=device, decode_rows=rows)
+
+
+StepTimer = Callable[[Numerics], float]
+"""``timer(numerics)`` -> seconds of one representative step computed that way."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    numerics: Numerics
+    measured_ms: dict[str, float]  # what each candidate took, by candidate name
+
+
+def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer) -> Choice:
+    """Measure the alternatives to ``base`` and keep each that is at least ``MARGIN`` times faster.
+
+    Decode is measured as one session alone (the case every reply meets); a tiled decode is chosen
+    only when a lone session pays nearly nothing for it, since batches then come for free.
+    """
+    measured: dict[str, float] = {}
+
+    def timed(numerics: Numerics, timer: StepTimer, label: str) -> float:
+        seconds = min(timer(numerics) for _ in range(2))
+        measured[f"{label} {numerics.name}"] = round(seconds * 1000, 3)
+        return seconds
+
+    chosen = base
+    if base.dtype != torch.float32:
+        native = timed(chosen, time_prefill, "prefill")
+        upcast = replace(chosen, prefill_fp32=True)
+        if timed(upcast, time_prefill, "prefill") * MARGIN < native:
+            chosen = upcast
+        native = timed(chosen, time_decode, "decode")
+        upcast = replace(chosen, decode_fp32=True)
+        if timed(upcast, time_decode, "decode") * MARGIN < native:
+            chosen = upcast
+    if chosen.device == "cpu":
+        alone = timed(chosen, time_decode, "decode")
+        tiled = replace(chosen, decode_rows=TILE_ROWS)
+        if timed(tiled, time_decode, "decode") <= alone * 1.1:
+            chosen = tiled
+    return Choice(chosen, measured)
+
+
+def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int) -> Choice:
+    """:func:`choose` timed on linears of ``shapes`` (one decoder layer's ``(out, in)`` weights) with
+    random weights in the held dtype: a prefill chunk of ``prefill_rows`` rows and one decode row."""
+    if sum(out * inp for out, inp in shapes) < MIN_MEASURED_PARAMETERS:
+        return Choice(base, {})
+    device = torch.device(base.device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weights = [(torch.randn(shape, generator=gen) * 0.02).to(dtype=base.dtype, device=device) for shape in shapes]
+
+    def run(numerics: Numerics, rows: int, decode: bool) -> float:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(dtype=base.dtype, device=device)
+              for w in weights}
+        mode = numerics.decode() if decode else numerics.prefill()
+        with torch.inference_mode(), mode:
+            for w in weights[:1]:  # warm the kernels up
+                F.linear(xs[w.shape[1]], w)
+            started = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - started
+
+    return choose(base, lambda n: run(n, prefill_rows, decode=False), lambda n: run(n, 1, decode=True))

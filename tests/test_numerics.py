@@ -1,0 +1,120 @@
+"""Dtypes and numerics: a split computes bit for bit what one process computes, at every dtype, and a
+decode row does not depend on the rows that share its step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshd.errors import ShapeMismatch
+from meshd.models.builtin import BUILTIN_MODELS, make_config, write_model
+from meshd.runtime.chain import LocalChain
+from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics
+from meshd.runtime.shard import Shard
+from meshd.wire import bundle as wire
+from meshd.wire.bundle import HiddenStateBundle, Phase
+from tests.archs import ARCHS
+from tests.helpers import PROMPT
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device on this machine"))]
+HALF = {"bfloat16": Numerics(torch.bfloat16, prefill_fp32=True), "float16": Numerics(torch.float16, prefill_fp32=True)}
+
+
+def on(numerics: Numerics, device: str) -> Numerics:
+    return replace(numerics, device="cuda:0" if device == "cuda" else "cpu",
+                   decode_rows=TILE_ROWS if device == "cuda" else numerics.decode_rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_split_equals_one_process_bit_for_bit_at_each_dtype(adapter_models, arch, dtype, device):
+    numerics = on(HALF[dtype], device)
+    model_dir = adapter_models[arch]
+    whole = LocalChain([Shard(model_dir, 0, 4, numerics=numerics, keep_logits=True)]).generate(PROMPT, 16,
+                                                                                                chunk_tokens=7)
+    split = LocalChain([Shard(model_dir, s, e, numerics=numerics, keep_logits=True)
+                        for s, e in [(0, 1), (1, 3), (3, 4)]]).generate(PROMPT, 16, chunk_tokens=7)
+    assert split.tokens == whole.tokens
+    assert all(torch.equal(a, b) for a, b in zip(split.logits, whole.logits, strict=True))
+    assert all(torch.isfinite(x).all() for x in whole.logits)
+
+
+def test_weights_and_the_seam_hold_the_dtype_asked_for(tiny_model):
+    fp32 = Shard(tiny_model, 0, 2)
+    bf16 = Shard(tiny_model, 0, 2, dtype="bfloat16")
+    assert bf16.parameter_bytes() * 2 == fp32.parameter_bytes()
+    out32 = fp32.forward(_prefill(fp32)).hidden_states
+    out16 = bf16.forward(_prefill(bf16)).hidden_states
+    assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16
+    sizes = [len(wire.encode(_hidden(h))) for h in (out32, out16)]
+    assert sizes[1] < 0.55 * sizes[0]  # a bf16 seam carries half the bytes
+    tail = Shard(tiny_model, 2, 4, dtype="bfloat16")
+    with pytest.raises(ShapeMismatch, match=r"must be torch\.bfloat16"):
+        tail.forward(_hidden(out32, (2, 4)))
+
+
+def test_auto_holds_the_checkpoints_own_dtype(tmp_path):
+    model = write_model(tmp_path / "bf16", make_config("llama", BUILTIN_MODELS["tiny"]), seed=3, dtype=torch.bfloat16)
+    assert Shard(model, 0, 4, dtype="auto").spec.dtype == torch.bfloat16
+    assert Shard(model, 0, 4, dtype="float32").spec.dtype == torch.float32
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("rows", [1, TILE_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_row_is_the_same_alone_and_in_any_batch(dtype, rows, upcast):
+    numerics = Numerics(dtype, decode_fp32=upcast, decode_rows=rows)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 256, generator=gen).to(dtype)
+    batch = torch.randn(13, 256, generator=gen).to(dtype)
+    with numerics.decode():
+        alone = [F.linear(batch[i : i + 1], weight) for i in range(13)]
+        together = F.linear(batch, weight)
+        shuffled = F.linear(batch.flip(0), weight).flip(0)
+    for i in range(13):
+        assert torch.equal(alone[i][0], together[i]) and torch.equal(alone[i][0], shuffled[i])
+
+
+def test_calibration_keeps_the_defaults_for_layers_too_small_to_matter():
+    choice = calibrate(default_numerics(torch.bfloat16, "cpu"), [(64, 64), (192, 64)], 64)
+    assert choice.numerics == default_numerics(torch.bfloat16, "cpu") and choice.measured_ms == {}
+
+
+def test_calibration_measures_each_alternative_and_names_the_class():
+    choice = calibrate(default_numerics(torch.bfloat16, "cpu"), [(1024, 1024), (2816, 1024), (1024, 2816)], 128)
+    assert len(choice.measured_ms) >= 4 and all(ms > 0 for ms in choice.measured_ms.values())
+    assert choice.numerics.name.startswith("cpu/bfloat16/prefill-")
+
+
+def _prefill(shard: Shard) -> HiddenStateBundle:
+    return HiddenStateBundle(session_id="s", epoch=0, phase=Phase.PREFILL, start_position=0, token_count=5,
+                             tensors={"input_ids": torch.tensor([5, 6, 7, 8, 9])}, range_start=0, range_end=2,
+                             sample=True)
+
+
+def _hidden(hidden: torch.Tensor, layers: tuple[int, int] = (2, 4)) -> HiddenStateBundle:
+    return HiddenStateBundle(session_id="s", epoch=0, phase=Phase.PREFILL, start_position=0,
+                             token_count=hidden.shape[0], tensors={"hidden_states": hidden}, range_start=layers[0],
+                             range_end=layers[1], sample=True)
+
+
+def test_a_model_whose_rows_do_not_align_decodes_one_session_at_a_time(tmp_path):
+    from tests.test_batching import PROMPTS, _decode, _first
+
+    odd = write_model(tmp_path / "odd", make_config("llama", replace(BUILTIN_MODELS["tiny"], intermediate_size=176)),
+                      seed=5)
+    shard = Shard(odd, 0, 4, keep_logits=True)
+    assert not shard.batch_invariant and Shard(odd, 0, 4).batch_invariant is False
+
+    def first_decode(batch: list[int]) -> list[torch.Tensor]:
+        s = Shard(odd, 0, 4, keep_logits=True)
+        starts = [s.forward(_first(f"s{i}", PROMPTS[i], (0, 4))).token for i in batch]
+        steps = [_decode(f"s{i}", t, len(PROMPTS[i]), 1, (0, 4)) for i, t in zip(batch, starts, strict=True)]
+        return [r.logits for r in s.forward_batch(steps)]
+
+    assert torch.equal(first_decode([0])[0], first_decode([0, 1, 2])[0])
