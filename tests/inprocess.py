@@ -136,13 +136,13 @@ class InProcessMesh:
                        session_id: str = "s1") -> list[int]:
         """Run one generation through the entry; ``on_token(count)`` runs after each token."""
         gen = Generation(session_id=session_id, model_id=self.info.model_id, prompt=prompt, max_new_tokens=n,
-                         sampling=sampling or Sampling(), eos_token_id=None)
+                         sampling=sampling or Sampling(), stop_token_ids=frozenset())
         first = await self.routes.route_for(gen.model_id)
         tokens: list[int] = []
         stream = self.entry.generate(gen, first)
         try:
             async for token in stream:
-                tokens.append(token)
+                tokens.append(token.token)
                 if on_token is not None:
                     await on_token(len(tokens))
         finally:

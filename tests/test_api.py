@@ -24,6 +24,7 @@ from meshd.api import (
     TokenEvent,
     serve_api,
 )
+from meshd.api.backend import TokenLogprob
 from meshd.api.stops import StopMatcher
 
 MODEL = "tiny"
@@ -43,7 +44,8 @@ class FakeBackend:
         self.open_generations = 0
 
     def list_models(self) -> list[ModelInfo]:
-        return [ModelInfo(id=MODEL, created=1_700_000_000), ModelInfo(id="slow", created=1_700_000_000)]
+        return [ModelInfo(id=MODEL, created=1_700_000_000), ModelInfo(id="slow", created=1_700_000_000),
+                ModelInfo(id="tooler", created=1_700_000_000)]
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
         self.requests.append(req)
@@ -53,7 +55,7 @@ class FakeBackend:
             raise Overloaded("KV budget exhausted")
         if req.model == "boom":
             raise RuntimeError("secret internal detail")
-        if req.model not in {MODEL, "slow", "breaks"}:
+        if req.model not in {MODEL, "slow", "breaks", "tooler"}:
             raise ModelNotFound(req.model)
         self.open_generations += 1
         self.started.set()
@@ -70,9 +72,19 @@ class FakeBackend:
             if req.model == "breaks":
                 yield TokenEvent("Hello", 0)
                 raise NoRoute(req.model, [(0, 2)])
+            if req.model == "tooler":
+                for i in range(3):
+                    yield TokenEvent("", i)  # held: the reply is a tool call
+                call = {"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+                yield Finished("tool_calls", prompt_tokens, 3, tool_calls=[call])
+                return
             limit = len(TOKENS) if req.max_tokens is None else min(req.max_tokens, len(TOKENS))
             for i, token in enumerate(TOKENS[:limit]):
-                yield TokenEvent(token, i)
+                logprob = None
+                if req.logprobs:
+                    logprob = TokenLogprob(token, -0.5 * i, [(token, -0.5 * i), ("zz", -9.0)][: req.top_logprobs])
+                yield TokenEvent(token, i, logprob)
             yield Finished("length" if limit < len(TOKENS) else "stop", prompt_tokens, limit)
         finally:
             self.open_generations -= 1
@@ -148,7 +160,7 @@ def test_stop_matcher_cuts_at_the_earliest_stop() -> None:
 
 async def test_models_and_health(client: openai.OpenAI, http: httpx2.AsyncClient) -> None:
     models = await in_thread(client.models.list)
-    assert [m.id for m in models.data] == [MODEL, "slow"]
+    assert [m.id for m in models.data] == [MODEL, "slow", "tooler"]
     assert models.data[0].owned_by == "meshd"
     assert (await in_thread(client.models.retrieve, MODEL)).id == MODEL
     assert (await http.get("/healthz")).json() == {"status": "ok"}
@@ -319,7 +331,8 @@ async def test_bad_completion_prompt_and_unknown_fields(http: httpx2.AsyncClient
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "frobnicate": True})
-    assert response.status_code == 200
+    assert response.status_code == 400 and response.json()["error"]["param"] == "frobnicate"
+    assert "Unrecognized request argument" in response.json()["error"]["message"]
 
 
 async def test_unknown_model_is_404(client: openai.OpenAI, http: httpx2.AsyncClient) -> None:
@@ -444,10 +457,101 @@ async def test_text_held_back_to_the_end_comes_with_finished(stop, shown, reason
 
     out: list[str] = []
 
-    async def on_text(text: str) -> None:
+    async def on_text(text: str, _logprobs: list) -> None:
         out.append(text)
 
     req = GenerationRequest(model=MODEL, kind="completion", request_id="r", prompt="x", max_tokens=2,
                             stop=stop or [])
     outcome = await run_generation(_HeldTailBackend(), req, on_text)
     assert "".join(out) == shown and outcome.finish_reason == reason and outcome.completion_tokens == 2
+
+
+# --- nothing accepted and ignored: logprobs, tools, refusals -----------------------------------------
+
+
+async def test_the_openai_client_receives_logprobs_streamed_and_whole(client: openai.OpenAI) -> None:
+    reply = await in_thread(client.chat.completions.create, model=MODEL, max_tokens=4, logprobs=True, top_logprobs=2,
+                            messages=[{"role": "user", "content": "hi"}])
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == TOKENS[:4] and [c.logprob for c in content] == [0.0, -0.5, -1.0, -1.5]
+    assert [t.token for t in content[1].top_logprobs] == [",", "zz"] and content[1].bytes == [44]
+    chunks = await stream_all(client.chat.completions.create, model=MODEL, max_tokens=4, logprobs=True,
+                              messages=[{"role": "user", "content": "hi"}])
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == TOKENS[:4] and all(c.top_logprobs == [] for c in streamed)
+    legacy = await in_thread(client.completions.create, model=MODEL, prompt="hi", max_tokens=3, logprobs=1)
+    assert legacy.choices[0].logprobs.tokens == TOKENS[:3]
+    assert legacy.choices[0].logprobs.text_offset == [0, 5, 6]
+    assert legacy.choices[0].logprobs.top_logprobs == [{"Hello": 0.0}, {",": -0.5}, {" wo": -1.0}]
+    plain = await in_thread(client.chat.completions.create, model=MODEL, max_tokens=2,
+                            messages=[{"role": "user", "content": "hi"}])
+    assert plain.choices[0].logprobs is None
+
+
+async def test_tool_calls_come_back_in_openais_shape(client: openai.OpenAI, server: tuple[FakeBackend, str]) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    reply = await in_thread(client.chat.completions.create, model="tooler", tools=tools,
+                            messages=[{"role": "user", "content": "weather in Oslo?"}])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    assert server[0].requests[-1].tools == tools
+    chunks = await stream_all(client.chat.completions.create, model="tooler", tools=tools,
+                              messages=[{"role": "user", "content": "weather in Oslo?"}])
+    calls = [c for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls
+             for c in chunk.choices[0].delta.tool_calls]
+    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    none = await in_thread(client.chat.completions.create, model=MODEL, tools=tools, tool_choice="none",
+                           max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert none.choices[0].message.content == "Hello," and server[0].requests[-1].tools is None
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    await in_thread(client.chat.completions.create, model=MODEL, max_tokens=1, tools=tools, messages=history)
+    sent = server[0].requests[-1].messages
+    assert sent[1]["tool_calls"][0]["function"]["name"] == "get_weather" and sent[2]["tool_call_id"] == "c1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"store": True}, "store"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
+async def test_what_cannot_be_honoured_is_refused_not_ignored(http: httpx2.AsyncClient, extra: dict[str, object],
+                                                             param: str) -> None:
+    response = await http.post("/v1/chat/completions", json=chat_body(**extra))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                                              ({"suffix": "x"}, "suffix"), ({"logprobs": 6}, "logprobs"),
+                                              ({"tools": []}, "tools")])
+async def test_legacy_completion_parameters_that_cannot_be_honoured_are_refused(
+        http: httpx2.AsyncClient, extra: dict[str, object], param: str) -> None:
+    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+async def test_parameters_asking_for_what_happens_anyway_are_accepted(http: httpx2.AsyncClient) -> None:
+    body = chat_body(max_tokens=2, response_format={"type": "text"}, frequency_penalty=0, presence_penalty=0.0,
+                     logit_bias={}, n=1, user="alice", service_tier="auto", parallel_tool_calls=True)
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "Hello,"

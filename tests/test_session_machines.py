@@ -219,7 +219,9 @@ def test_the_tail_sends_the_sampled_token_for_the_position_after_the_bundle():
 
 def attempt(max_new: int = 3, eos: int | None = None) -> EntryAttempt:
     plan = SessionPlan(route=ROUTE, addresses={"a": "a:1", "b": "b:1"}, prompt=[5, 6, 7], max_new_tokens=max_new,
-                       sampling=Sampling(), eos_token_id=eos, session_id="s", chunk_tokens=2, step_timeout_s=3.0)
+                       sampling=Sampling(), session_id="s",
+                       stop_token_ids=frozenset() if eos is None else frozenset({eos}), chunk_tokens=2,
+                       step_timeout_s=3.0)
     entry = EntryAttempt(plan, "e", now=0.0)
     entry.on_results_open(pb.SeamMessage(ready=pb.Ready()), 0.0)
     return entry
@@ -236,7 +238,7 @@ def test_the_prompt_goes_out_in_chunks_and_each_token_goes_back_in_before_it_is_
         (0, 2, False), (2, 1, True)]
     actions = entry.on_event(token(3, 42), 0.1)
     assert isinstance(actions[0], SendToHead) and actions[0].bundle.start_position == 3
-    assert actions[0].bundle.tensors[INPUT_IDS].tolist() == [42] and actions[-1].token == 42
+    assert actions[0].bundle.tensors[INPUT_IDS].tolist() == [42] and actions[-1].token.token == 42
     entry.on_event(token(4, 43), 0.2)
     assert [type(a).__name__ for a in entry.on_event(token(5, 44), 0.3)] == ["Emit"] and entry.done
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 RequestKind = Literal["chat", "completion"]
 
 
@@ -30,13 +30,15 @@ class ModelInfo:
 class GenerationRequest:
     """A validated request; exactly one of ``messages`` (chat) or ``prompt`` (completion) is set.
 
-    ``messages`` are plain ``{"role", "content"}`` dicts, the shape chat templates take.
+    ``messages`` are ``{"role", "content"}`` dicts (with ``tool_calls`` or ``tool_call_id`` where
+    OpenAI has them), the shape chat templates take. ``tools`` are OpenAI function tools; they reach
+    the model's chat template, and ``tool_choice="none"`` keeps them from it.
     """
 
     model: str
     kind: RequestKind
     request_id: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -45,6 +47,10 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     ignore_eos: bool = False  # extension (as in vLLM): run to max_tokens even past end-of-sequence
+    logprobs: bool = False    # report each token's log-probability
+    top_logprobs: int = 0     # ...and the most likely alternatives'
+    tools: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,11 +61,22 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's text and log-probability, and those of the most likely alternatives at its position."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """One generated token; ``text`` is the decoded increment, "" while a UTF-8 sequence is incomplete."""
+    """One generated token; ``text`` is the decoded increment, "" while a UTF-8 sequence is incomplete
+    (or while the reply may still turn out to be a tool call)."""
 
     text: str
     token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape; finish_reason "tool_calls"
 
 
 BackendEvent = Started | TokenEvent | Finished

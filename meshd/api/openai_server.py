@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +37,7 @@ from meshd.api.backend import (
     RequestKind,
     Started,
     TokenEvent,
+    TokenLogprob,
 )
 from meshd.api.errors import ApiError, BadRequest, InternalError, ModelNotFound, PayloadTooLarge
 from meshd.api.stops import StopMatcher
@@ -56,6 +57,7 @@ class Outcome:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def usage(self) -> dict[str, int]:
         return {
@@ -65,9 +67,12 @@ class Outcome:
         }
 
 
-async def run_generation(
-    backend: ChatBackend, req: GenerationRequest, on_text: Callable[[str], Awaitable[None]]
-) -> Outcome:
+TextSink = Callable[[str, list[TokenLogprob]], Awaitable[None]]
+"""``on_text(text, logprobs)``: text now safe to show, and the log-probabilities of the tokens that
+arrived since the last call (empty unless the request asked for them)."""
+
+
+async def run_generation(backend: ChatBackend, req: GenerationRequest, on_text: TextSink) -> Outcome:
     """Drive one backend generation, passing out text that is safe to show, and always close it.
 
     Stops on the backend's ``Finished``, on a stop string (text before it is kept), or when the
@@ -77,6 +82,14 @@ async def run_generation(
     matcher = StopMatcher(req.stop)
     prompt_tokens = 0
     produced = 0
+    pending: list[TokenLogprob] = []
+
+    async def out(text: str) -> None:
+        if text or pending:
+            entries = pending.copy()
+            pending.clear()
+            await on_text(text, entries)
+
     events = backend.generate(req)
     try:
         async for event in events:
@@ -86,21 +99,18 @@ async def run_generation(
                 if req.max_tokens is not None and produced >= req.max_tokens:
                     return Outcome("length", prompt_tokens, produced)
                 produced += 1
-                safe = matcher.feed(event.text)
-                if safe:
-                    await on_text(safe)
+                if event.logprob is not None:
+                    pending.append(event.logprob)
+                await out(matcher.feed(event.text))
                 if matcher.stopped:
                     return Outcome("stop", prompt_tokens, produced)
             elif isinstance(event, Finished):
-                safe = matcher.feed(event.text) if event.text else ""
-                if safe:
-                    await on_text(safe)
+                await out(matcher.feed(event.text) if event.text else "")
                 if matcher.stopped:
                     return Outcome("stop", prompt_tokens, produced)
-                tail = matcher.flush()
-                if tail:
-                    await on_text(tail)
-                return Outcome(event.finish_reason, event.prompt_tokens, event.completion_tokens)
+                await out(matcher.flush())
+                return Outcome(event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                               list(event.tool_calls))
             else:
                 raise TypeError(f"backend yielded {type(event).__name__}, not a generation event")
         raise RuntimeError("backend generation ended without a Finished event")
@@ -112,36 +122,64 @@ async def run_generation(
                 log.exception("closing the backend generation of %s failed", req.request_id)
 
 
+def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in entry.top]}
+
+
 class _Shape:
     """The OpenAI object shapes of one endpoint: ``chat.completion`` or ``text_completion``."""
 
-    def __init__(self, kind: RequestKind, request_id: str, model: str) -> None:
-        self.kind = kind
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
-        self.model = model
+    def __init__(self, req: GenerationRequest) -> None:
+        self.kind = req.kind
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.request_id
+        self.model = req.model
         self.created = int(time.time())
+        self.logprobs = req.logprobs
+        self._offset = 0  # legacy completions: where the next token's text starts
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def completion(self, text: str, outcome: Outcome) -> dict[str, Any]:
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-            body = self._envelope("chat.completion", [{**choice, "finish_reason": outcome.finish_reason}])
+            return {"content": [_chat_logprob(e) for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
+                "text_offset": offsets}
+
+    def completion(self, text: str, entries: list[TokenLogprob], outcome: Outcome) -> dict[str, Any]:
+        logprobs = self._logprobs(entries)
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text or (None if outcome.tool_calls else "")}
+            if outcome.tool_calls:
+                message["tool_calls"] = outcome.tool_calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": outcome.finish_reason}
+            body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": outcome.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = outcome.usage()
         return body
 
-    def chunk(self, text: str, *, first: bool = False, finish: FinishReason | None = None) -> dict[str, Any]:
+    def chunk(self, text: str, entries: list[TokenLogprob] | None = None, *, first: bool = False,
+              finish: FinishReason | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        logprobs = self._logprobs(entries) if entries else None
         if self.kind == "chat":
-            delta: dict[str, str] = {"role": "assistant", "content": text} if first else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, outcome: Outcome) -> dict[str, Any]:
@@ -202,6 +240,8 @@ class _GenerationEndpoint:
             body = decode_json_object(await _read_body(Request(scope, receive), self._max_body_bytes))
             parse = parse_chat if self._kind == "chat" else parse_completion
             parsed = parse(body, request_id)
+            if body.get("user"):
+                log.info("request %s for %s from user %r", request_id, parsed.generation.model, body["user"])
         except ApiError as exc:
             await _send_json(send, exc.status, exc.body(), exc.headers())
             return
@@ -218,9 +258,11 @@ class _GenerationEndpoint:
     async def _complete(self, parsed: ParsedRequest, send: Send) -> None:
         req = parsed.generation
         parts: list[str] = []
+        entries: list[TokenLogprob] = []
 
-        async def collect(text: str) -> None:
+        async def collect(text: str, logprobs: list[TokenLogprob]) -> None:
             parts.append(text)
+            entries.extend(logprobs)
 
         try:
             outcome = await run_generation(self._backend, req, collect)
@@ -228,12 +270,12 @@ class _GenerationEndpoint:
             error = _as_api_error(exc, req)
             await _send_json(send, error.status, error.body(), error.headers())
             return
-        shape = _Shape(req.kind, req.request_id, req.model)
-        await _send_json(send, 200, shape.completion("".join(parts), outcome), {"x-request-id": req.request_id})
+        body = _Shape(req).completion("".join(parts), entries, outcome)
+        await _send_json(send, 200, body, {"x-request-id": req.request_id})
 
     async def _stream(self, parsed: ParsedRequest, send: Send) -> None:
         req = parsed.generation
-        shape = _Shape(req.kind, req.request_id, req.model)
+        shape = _Shape(req)
         stream = _EventStream(send, req.request_id)
 
         async def open_stream() -> None:
@@ -242,9 +284,9 @@ class _GenerationEndpoint:
                 if req.kind == "chat":
                     await stream.event(shape.chunk("", first=True))
 
-        async def emit(text: str) -> None:
+        async def emit(text: str, logprobs: list[TokenLogprob]) -> None:
             await open_stream()
-            await stream.event(shape.chunk(text))
+            await stream.event(shape.chunk(text, logprobs))
 
         try:
             outcome = await run_generation(self._backend, req, emit)
@@ -257,7 +299,7 @@ class _GenerationEndpoint:
             await stream.close()
             return
         await open_stream()
-        await stream.event(shape.chunk("", finish=outcome.finish_reason))
+        await stream.event(shape.chunk("", finish=outcome.finish_reason, tool_calls=outcome.tool_calls))
         if parsed.include_usage:
             await stream.event(shape.usage_chunk(outcome))
         await stream.event("[DONE]")

@@ -1,8 +1,10 @@
 """Turning OpenAI request bodies into :class:`GenerationRequest`, refusing what we cannot honour.
 
-Unknown fields are ignored, as OpenAI clients send many optional ones; known fields are checked
-for type and range so a bad value is a 400 naming the parameter rather than a failure deep in the
-mesh.
+Nothing is accepted and then ignored. Every parameter of the two endpoints is either honoured
+(checked for type and range, so a bad value is a 400 naming it rather than a failure deep in the
+mesh), accepted only in the value that changes nothing (``n`` of 1, a zero penalty, ``response_format``
+of ``text``), or refused with a 400 that says so; a parameter OpenAI does not have is refused as
+unrecognized, as OpenAI refuses it. ``user`` identifies the end user and is logged with the request.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from meshd.api.errors import BadRequest
 from meshd.errors import ErrorCode
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+MAX_LEGACY_LOGPROBS = 5
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
+                    "ignore_eos", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "user"})
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                 "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities", "audio",
+                 "prediction", "web_search_options", "functions", "function_call"}
+COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,11 @@ def parse_completion(body: dict[str, Any], request_id: str) -> ParsedRequest:
 
 
 def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRequest:
+    unknown = sorted(set(body) - (CHAT if kind == "chat" else COMPLETION))
+    if unknown:
+        raise BadRequest(f"Unrecognized request argument supplied: {', '.join(unknown)}.", unknown[0],
+                         code=ErrorCode.INVALID_REQUEST)
+    _refuse_unsupported(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _missing_or_type("model", "a non-empty string", body)
@@ -71,6 +87,11 @@ def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRe
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _type_error("ignore_eos", "a boolean")
+    logprobs, top_logprobs = _logprobs(body, kind)
+    tools = _tools(body) if kind == "chat" else None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _type_error("parallel_tool_calls", "a boolean")
     generation = GenerationRequest(
         model=model,
         kind=kind,
@@ -84,11 +105,95 @@ def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRe
         stop=_stop(body),
         stream=stream,
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools,
+        parallel_tool_calls=parallel,
     )
     return ParsedRequest(generation, include_usage=stream and _include_usage(body))
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
+    """Parameters this mesh cannot honour are refused, unless they ask for what it does anyway."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value is not None and value != 0:
+            raise _value_error(name, f"{name} is not supported; only 0 (no penalty) is accepted.")
+    if body.get("logit_bias"):
+        raise _value_error("logit_bias", "logit_bias is not supported.")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _type_error("user", "a string")
+    if kind == "completion":
+        if body.get("echo"):
+            raise _value_error("echo", "echo is not supported.")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise _value_error("best_of", "Only best_of=1 is supported.")
+        if body.get("suffix"):
+            raise _value_error("suffix", "suffix (insertion) is not supported.")
+        return
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise _type_error("response_format", "an object with a type")
+        if response_format["type"] != "text":
+            raise _value_error("response_format", f"response_format {response_format['type']!r} is not supported: "
+                               "this mesh does not constrain decoding; only 'text' is accepted.")
+    if body.get("store"):
+        raise _value_error("store", "store is not supported: replies are not stored.")
+    if body.get("metadata"):
+        raise _value_error("metadata", "metadata is only kept with store, which is not supported.")
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default"):
+        raise _value_error("service_tier", "Only the default service tier exists here.")
+    for name in ("reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "functions",
+                 "function_call"):
+        if body.get(name) is not None and not (name == "modalities" and body[name] == ["text"]):
+            raise _value_error(name, f"{name} is not supported.")
+
+
+def _logprobs(body: dict[str, Any], kind: RequestKind) -> tuple[bool, int]:
+    value = body.get("logprobs")
+    if kind == "completion":  # the legacy endpoint: logprobs is how many alternatives
+        if value is None:
+            return False, 0
+        if not _is_int(value) or not 0 <= value <= MAX_LEGACY_LOGPROBS:
+            raise _value_error("logprobs", f"logprobs must be an integer from 0 to {MAX_LEGACY_LOGPROBS}.")
+        return True, int(value)
+    if value is not None and not isinstance(value, bool):
+        raise _type_error("logprobs", "a boolean")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _value_error("top_logprobs", f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}.")
+        if not value:
+            raise _value_error("top_logprobs", "top_logprobs needs logprobs set to true.")
+    return bool(value), int(top or 0)
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise _value_error("tool_choice", "tool_choice needs tools.")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise _type_error("tools", "a non-empty array")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _value_error(f"tools[{i}]", f"tools[{i}] must be a function tool with a name.")
+    if choice in (None, "auto"):
+        return [dict(t) for t in tools]
+    if choice == "none":
+        return None
+    raise _value_error("tool_choice", "tool_choice 'auto' and 'none' are supported; this mesh cannot force a call.")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _missing_or_type("messages", "a non-empty array", body)
@@ -100,15 +205,38 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise _value_error(f"{where}.role", f"{where}.role must be one of {sorted(CHAT_ROLES)}.")
-        out.append({"role": role, "content": _content(message.get("content"), role, f"{where}.content")})
+        calls = message.get("tool_calls")
+        entry: dict[str, Any] = {"role": role,
+                                 "content": _content(message.get("content"), role, f"{where}.content",
+                                                     optional=bool(calls))}
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise _value_error(f"{where}.tool_calls", "tool_calls belong to assistant messages, as an array.")
+            entry["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _missing_or_type(f"{where}.tool_call_id", "a string", {})
+            entry["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
     return out
 
 
-def _content(content: object, role: str, where: str) -> str:
+def _tool_call(call: object, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise _value_error(where, f"{where} must have a function with a name.")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": function["name"], "arguments": function.get("arguments", "{}")}}
+
+
+def _content(content: object, role: str, where: str, optional: bool = False) -> str:
     """A string, or the list-of-text-parts form newer clients send; other part types are refused."""
     if isinstance(content, str):
         return content
-    if content is None and role == "assistant":
+    if content is None and (role == "assistant" or optional):
         return ""
     if isinstance(content, list):
         texts = []

@@ -166,6 +166,37 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """Check a model directory's range as a peer would before serving it (no daemon needed)."""
+    from meshd.daemon.config import parse_range
+    from meshd.runtime.doctor import run_doctor
+
+    try:
+        layers = parse_range(args.layers) if args.layers else None
+    except ValueError as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return 2
+    model = Path(args.model)
+    if not model.is_dir():
+        print(f"meshctl: {model} is not a directory", file=sys.stderr)
+        return 2
+    report = run_doctor(model, layers, args.dtype, args.device, say=lambda m: print(m, file=sys.stderr))
+    doc = report.as_json()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        for check in report.checks:
+            print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+        if report.ok:
+            for key in ("model_id", "architecture", "device", "dtype", "numerics", "compat_key", "parameter_bytes",
+                        "rss_growth_bytes", "load_s", "decode_tok_s"):
+                print(f"{key:>16}: {doc[key]}")
+        else:
+            print(f"meshctl: {model} layers {list(report.layers)} would not be served: {report.error}",
+                  file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _add_control(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", default=os.environ.get("MESHD_CONTROL", DEFAULT_CONTROL), metavar="HOST:PORT",
                    help=f"the local daemon's control API (default {DEFAULT_CONTROL}, or $MESHD_CONTROL)")
@@ -240,6 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_control(route)
     route.add_argument("--json", action="store_true", help="machine-readable output")
     route.set_defaults(func=_cmd_route)
+
+    doctor = sub.add_parser(
+        "doctor", help="check a model directory's layers as a peer would before serving them",
+        description="Read and hash the checkpoint, load the range, check every weight is finite and that a canonical "
+        "input goes through every layer (prefill and decode), and report device, dtype, numerics, memory, decode "
+        "speed and compat key. Exits 1 when the range would not be served.")
+    doctor.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
+    doctor.add_argument("--layers", metavar="START:END", help="half-open layer range (default: every layer)")
+    doctor.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    doctor.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or mps")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_cmd_doctor)
 
     chat = sub.add_parser("chat", help="send one chat message through the local daemon's OpenAI API")
     chat.add_argument("message", help="what to say")

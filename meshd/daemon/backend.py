@@ -3,7 +3,8 @@
 Every peer answers the API, with or without layers of its own: it needs the model's tokenizer (its
 own copy, or one fetched from a serving peer and checked against the compat key) and a route. The
 generation itself, with its repairs, is the session plane's (:class:`~meshd.session.entry.EntrySessions`);
-this adapter turns requests into generations and the session plane's errors into API errors.
+this adapter turns requests into generations, tokens into text, log-probabilities and tool calls, and
+the session plane's errors into API errors.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
-from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelInfo, Started, TokenEvent
+from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelInfo, Started, TokenEvent, TokenLogprob
 from meshd.api.errors import BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
 from meshd.models.artifacts import ModelFilesCache, ModelFilesUnavailable
-from meshd.session.detokenize import IncrementalDetokenizer
+from meshd.models.text import TextCodec, ToolCall
+from meshd.session.attempt import GeneratedToken
 from meshd.session.entry import DeadlinePassed, EntrySessions, Generation
 from meshd.session.repair import AllRefused, NoCompleteRoute, RepairFailed
 from meshd.session.routes import RouteClient
@@ -62,32 +63,33 @@ class MeshBackend:
         except NoRouteError as exc:
             raise NoRoute(req.model, exc.missing) from None
         try:
-            tokenizer = await self.files.tokenizer_for(req.model, first.route.compat_key, self._sources)
+            codec = await self.files.codec_for(req.model, first.route.compat_key, self._sources)
         except ModelFilesUnavailable as exc:
             raise NoRoute(req.model, []) from exc
-        prompt = _encode(tokenizer, req)
+        prompt = _encode(codec, req)
         context = self.view.context_length(req.model)
         room = context - len(prompt)
         if room <= 0:
             raise BadRequest(f"the prompt has {len(prompt)} tokens; the model's context is {context}", "messages")
-        max_new = min(req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS, room)
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise BadRequest(f"max_tokens is {req.max_tokens}, but the prompt's {len(prompt)} tokens leave room for "
+                             f"{room} in the model's context of {context}", "max_tokens")
+        max_new = req.max_tokens if req.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
         yield Started(prompt_tokens=len(prompt))
-        if max_new == 0:
-            yield Finished("length", len(prompt), 0)
-            return
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        eos = None if req.ignore_eos else tokenizer.eos_token_id
+        stops = frozenset() if req.ignore_eos else codec.stop_token_ids
         gen = Generation(session_id=req.request_id, model_id=req.model, prompt=prompt, max_new_tokens=max_new,
-                         sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63)),
-                         eos_token_id=eos)
-        detok = IncrementalDetokenizer(tokenizer)
+                         sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63),
+                                           logprobs=req.logprobs, top_logprobs=req.top_logprobs),
+                         stop_token_ids=stops)
+        reply = _Reply(codec, tools=bool(req.tools))
         last: int | None = None
         count = 0
         tokens = self.entry.generate(gen, first)
         try:
             async for token in tokens:
-                last, count = token, count + 1
-                yield TokenEvent(text=detok.push(token), token_id=token)
+                last, count = token.token, count + 1
+                yield TokenEvent(text=reply.push(token.token), token_id=token.token, logprob=_logprob(codec, token))
         except NoCompleteRoute as exc:
             raise NoRoute(req.model, exc.missing) from None
         except AllRefused as exc:
@@ -98,13 +100,55 @@ class MeshBackend:
             raise DeadlineExceeded(self.entry.config.request_timeout_s) from None
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
-        yield Finished("stop" if eos is not None and last == eos else "length", len(prompt), count,
-                       text=detok.flush())
+        text, calls = reply.finish()
+        if calls:
+            chosen = calls if req.parallel_tool_calls else calls[:1]
+            yield Finished("tool_calls", len(prompt), count, text=text, tool_calls=[c.as_openai() for c in chosen])
+            return
+        yield Finished("stop" if last is not None and last in stops else "length", len(prompt), count, text=text)
 
 
-def _encode(tokenizer: Any, req: GenerationRequest) -> list[int]:
+class _Reply:
+    """Text of the reply as it is released: streamed as it comes, except that a reply which may be a
+    tool call is held until it ends, then read as one."""
+
+    def __init__(self, codec: TextCodec, tools: bool) -> None:
+        self.codec = codec
+        self.detok = codec.detokenizer()
+        self.holding = tools
+        self.held = ""
+
+    def push(self, token_id: int) -> str:
+        text = self.detok.push(token_id)
+        if not self.holding:
+            return text
+        self.held += text
+        if self.codec.may_be_tool_call(self.held):
+            return ""
+        self.holding = False
+        released, self.held = self.held, ""
+        return released
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        tail = self.detok.flush()
+        if not self.holding:
+            return tail, []
+        content, calls = self.codec.tool_calls(self.held + tail)
+        return content, calls
+
+
+def _logprob(codec: TextCodec, token: GeneratedToken) -> TokenLogprob | None:
+    if token.logprob is None:
+        return None
+    return TokenLogprob(codec.token_text(token.token), token.logprob,
+                        [(codec.token_text(t), lp) for t, lp in token.top_logprobs])
+
+
+def _encode(codec: TextCodec, req: GenerationRequest) -> list[int]:
     if req.kind == "chat":
-        encoded = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)
-        return list(encoded["input_ids"])
-    return list(tokenizer(req.prompt or "")["input_ids"])
+        if not codec.has_chat_template:
+            raise BadRequest("this model has no chat template; send a prompt to /v1/completions", "messages")
+        if req.tools and codec.tool_format is None:
+            raise BadRequest("this model's chat template takes no tools", "tools")
+        return codec.encode_chat(req.messages or [], req.tools)
+    return codec.encode_text(req.prompt or "")

@@ -29,6 +29,7 @@ from meshd.daemon.control import build_control_app
 from meshd.daemon.control_plane import ControlPlane
 from meshd.daemon.reachability import Reachability
 from meshd.daemon.status import peer_status
+from meshd.errors import MeshError
 from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.models.artifacts import ModelFilesCache
@@ -74,16 +75,13 @@ class Peer:
                                     control=config.control)
         self.transport = Transport(self.identity)
         self.served: ServedModel | None = None
+        self.model_error = ""  # why the configured model is not offered at all (it could not be read)
         if config.model is not None:
-            choice = choose_numerics(config.model, config.dtype, config.device, min(128, config.chunk_tokens))
-            log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
-            info = describe_model(config.model, config.model_id or None, numerics=choice.numerics,
-                                  cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
-            host = ShardHost(config.model, numerics=info.numerics, manifest=info.manifest,
-                             max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
-                             batch_hold=config.batch_hold)
-            self.served = ServedModel(info, host, pinned=config.layers, on_change=self._republish,
-                                      measured_ms=choice.measured_ms)
+            try:
+                self.served = self._served_model(config)
+            except MeshError as exc:
+                self.model_error = str(exc)
+                log.error("the model at %s is not offered: %s", config.model, exc)
         self.reachability = Reachability(config, self.transport, self.identity, advertised=lambda: self.bound.advertise,
                                          on_change=self._republish)
         self.hops = HopService(self.peer_id, self.transport, self.served.host if self.served else None,
@@ -110,6 +108,18 @@ class Peer:
         self.ready = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._card_checked = 0.0
+
+    def _served_model(self, config: PeerConfig) -> ServedModel:
+        assert config.model is not None
+        choice = choose_numerics(config.model, config.dtype, config.device, min(128, config.chunk_tokens))
+        log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
+        info = describe_model(config.model, config.model_id or None, numerics=choice.numerics,
+                              cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
+        host = ShardHost(config.model, numerics=info.numerics, manifest=info.manifest,
+                         max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
+                         batch_hold=config.batch_hold)
+        return ServedModel(info, host, pinned=config.layers, on_change=self._republish,
+                           measured_ms=choice.measured_ms)
 
     # -- the card ----------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "dtype": served.info.numerics.dtype_name if served else None,
         "numerics": served.info.numerics.name if served else None,
         "numerics_measured_ms": served.measured_ms if served else {},
-        "shard_error": (served.error or None) if served else None,
+        "shard_error": (served.error or None) if served else (peer.model_error or None),
         "shard_checks": [c.__dict__ for c in served.checks] if served else [],
         "members": {p: s.name for p, s in control.gossip.members().items()},
         "models_covered": control.view.covered_models(),

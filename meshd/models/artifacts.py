@@ -14,12 +14,12 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from meshd.errors import ErrorCode, MeshError
 from meshd.files import write_atomically
+from meshd.models.text import TextCodec
 from meshd.rpc import RpcFailed, call
 from meshd.runtime.model_info import CONFIG_FILES, TOKENIZER_FILES, ModelInfo, compat_key_of, read_small_files
 from meshd.runtime.model_info import tokenizer_digest_of as digest_of
@@ -66,7 +66,7 @@ class ModelFilesCache:
         self.root = Path(data_dir) / "models"
         self.local = local
         self.opener = opener
-        self._tokenizers: dict[str, Any] = {}
+        self._codecs: dict[str, TextCodec] = {}
         self._locks: dict[str, trio.Lock] = {}
 
     # -- serving ---------------------------------------------------------------------------------
@@ -83,17 +83,18 @@ class ModelFilesCache:
 
     # -- asking ----------------------------------------------------------------------------------
 
-    async def tokenizer_for(self, model_id: str, compat_key: str, sources: Sources) -> Any:
-        tokenizer = self._tokenizers.get(compat_key)
-        if tokenizer is not None:
-            return tokenizer
+    async def codec_for(self, model_id: str, compat_key: str, sources: Sources) -> TextCodec:
+        """The model's tokenizer, template and stop tokens, by the compat key a route runs."""
+        codec = self._codecs.get(compat_key)
+        if codec is not None:
+            return codec
         async with self._locks.setdefault(compat_key, trio.Lock()):
-            tokenizer = self._tokenizers.get(compat_key)
-            if tokenizer is None:
+            codec = self._codecs.get(compat_key)
+            if codec is None:
                 directory = await self._directory_for(model_id, compat_key, sources)
-                tokenizer = await trio.to_thread.run_sync(_load_tokenizer, directory)
-                self._tokenizers[compat_key] = tokenizer
-        return tokenizer
+                codec = await trio.to_thread.run_sync(TextCodec.load, directory)
+                self._codecs[compat_key] = codec
+        return codec
 
     async def _directory_for(self, model_id: str, compat_key: str, sources: Sources) -> Path:
         if self.local is not None and self.local.compat_key == compat_key:
@@ -119,12 +120,6 @@ class ModelFilesCache:
             log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
             return stored
         raise ModelFilesUnavailable(f"no peer handed out the files of {model_id} ({compat_key})") from last
-
-
-def _load_tokenizer(directory: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory)
 
 
 def _stored_is_valid(directory: Path, compat_key: str) -> bool:

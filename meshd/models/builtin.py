@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from meshd.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, write_tokenizer
+from meshd.models.tokenizer import BOS, BUILTIN_LAYOUT, EOS, PAD, SPECIAL_TOKENS, TokenizerLayout, write_tokenizer
 from meshd.runtime.adapters import registry
 
 
@@ -140,6 +140,7 @@ def write_model(
     weight_files: int = 1,
     progress: ProgressFn | None = None,
     dtype: torch.dtype = torch.float32,
+    layout: TokenizerLayout = BUILTIN_LAYOUT,
 ) -> Path:
     """Write a complete Hugging Face model directory with deterministic random weights, stored as
     ``dtype`` and laid out as the family's own checkpoints are."""
@@ -150,13 +151,14 @@ def write_model(
     config_dict.pop("transformers_version", None)
     config_dict["dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    ids = dict(layout.specials)
     generation = {
         "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
+        "eos_token_id": [ids[t] for t in layout.stop_tokens] if layout.stop_tokens else config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out_dir, config.vocab_size, config.max_position_embeddings)
+    write_tokenizer(out_dir, config.vocab_size, config.max_position_embeddings, layout)
 
     shapes = _parameter_shapes(config)
     n_layers = config.num_hidden_layers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -54,42 +55,64 @@ def _merges(count: int, byte_symbols: list[str]) -> list[tuple[str, str]]:
     return merges[:count]
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids."""
+@dataclass(frozen=True)
+class TokenizerLayout:
+    """Where a family keeps its special tokens and template, so that written models look like its own."""
+
+    specials: tuple[tuple[str, int], ...]  # (token, id)
+    bos: str
+    eos: str
+    pad: str
+    chat_template: str
+    template_file: bool = False         # in chat_template.jinja rather than in tokenizer_config.json
+    stop_tokens: tuple[str, ...] = ()   # generation_config.json's eos_token_id list (default: eos alone)
+
+
+BUILTIN_LAYOUT = TokenizerLayout(specials=tuple((t, i) for i, t in enumerate(SPECIAL_TOKENS)), bos=BOS, eos=EOS,
+                                 pad=PAD, chat_template=CHAT_TEMPLATE)
+
+
+def build_tokenizer(vocab_size: int, layout: TokenizerLayout = BUILTIN_LAYOUT) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` ids, its special tokens at their ids."""
     byte_symbols = _byte_symbols()
-    n_merges = vocab_size - len(byte_symbols) - len(SPECIAL_TOKENS)
+    n_merges = vocab_size - len(byte_symbols) - len(layout.specials)
     if n_merges < 0:
-        raise ValueError(f"vocab_size {vocab_size} is below the {len(byte_symbols) + len(SPECIAL_TOKENS)} base ids")
-    vocab: dict[str, int] = {}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
+        raise ValueError(f"vocab_size {vocab_size} is below the {len(byte_symbols) + len(layout.specials)} base ids")
+    taken = {i for _, i in layout.specials}
+    if len(taken) != len(layout.specials) or not all(0 <= i < vocab_size for i in taken):
+        raise ValueError("special token ids must be distinct and inside the vocabulary")
+    free = (i for i in range(vocab_size) if i not in taken)
+    vocab: dict[str, int] = dict(layout.specials)
     for symbol in byte_symbols:
-        vocab[symbol] = len(vocab)
+        vocab[symbol] = next(free)
     merges = _merges(n_merges, byte_symbols)
     for a, b in merges:
-        vocab[a + b] = len(vocab)
+        vocab[a + b] = next(free)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens([t for t, _ in sorted(layout.specials, key=lambda s: s[1])])
     if tok.get_vocab_size() != vocab_size:
         raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
     return tok
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
-    tok = build_tokenizer(vocab_size)
+def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int, layout: TokenizerLayout = BUILTIN_LAYOUT) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json``, with the chat template in it or beside it."""
+    tok = build_tokenizer(vocab_size, layout)
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=False), encoding="utf-8")
-    config = {
+    config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
+        "bos_token": layout.bos,
+        "eos_token": layout.eos,
+        "pad_token": layout.pad,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if layout.template_file:
+        (out_dir / "chat_template.jinja").write_text(layout.chat_template)
+    else:
+        config["chat_template"] = layout.chat_template
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

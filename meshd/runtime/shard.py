@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,6 +65,8 @@ class StepResult:
     hidden_states: torch.Tensor | None = None
     token: int | None = None
     logits: torch.Tensor | None = None
+    logprob: float | None = None                  # the token's, when the session asked for them
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     queue_ms: float = 0.0
     compute_ms: float = 0.0
 
@@ -158,7 +160,10 @@ class Shard:
             if getattr(cfg, "tie_word_embeddings", False) or head_name not in index:
                 head_name = a.embed_tensor
             head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-            head.weight = nn.Parameter(index.load([head_name], dtype, device)[head_name], requires_grad=False)
+            if head_name == a.embed_tensor and self.embed is not None:  # tied, and held here already: share it
+                head.weight = self.embed.weight
+            else:
+                head.weight = nn.Parameter(index.load([head_name], dtype, device)[head_name], requires_grad=False)
             self.lm_head = head
 
     def parameter_bytes(self) -> int:
@@ -338,8 +343,7 @@ class Shard:
             if not bundle.sample:
                 return StepResult()
             logits = self._logits(hidden[:, -1:, :])[0]
-        token = sample_token(logits, session.sampling, position=start + n)
-        return StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
+        return self._sampled(logits, session.sampling, start + n)
 
     @torch.inference_mode()
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
@@ -364,9 +368,20 @@ class Shard:
         results = [StepResult() for _ in bundles]
         if logits is not None:
             for row, b in enumerate(wanted):
-                token_id = sample_token(logits[row], sessions[b].sampling, position=lengths[b] + 1)
-                results[b] = StepResult(token=token_id, logits=logits[row].clone() if self.keep_logits else None)
+                results[b] = self._sampled(logits[row], sessions[b].sampling, lengths[b] + 1)
         return results
+
+    def _sampled(self, logits: torch.Tensor, sampling: Sampling, position: int) -> StepResult:
+        """The token for ``position`` from one row of logits, with its log-probabilities if asked."""
+        token = sample_token(logits, sampling, position=position)
+        result = StepResult(token=token, logits=logits.clone() if self.keep_logits else None)
+        if sampling.logprobs:
+            logprobs = torch.log_softmax(logits.double(), dim=-1)
+            result.logprob = float(logprobs[token])
+            if sampling.top_logprobs:
+                top = torch.topk(logprobs, min(sampling.top_logprobs, logprobs.numel()))
+                result.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+        return result
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """``[B, 1, hidden]`` last positions -> ``[B, vocab]`` float32 logits, as the family's CausalLM gives."""

@@ -40,7 +40,7 @@ class SessionPlan:
     prompt: Sequence[int]
     max_new_tokens: int
     sampling: Sampling
-    eos_token_id: int | None
+    stop_token_ids: frozenset[int]   # tokens that end the reply (end of sequence, end of turn)
     session_id: str
     chunk_tokens: int = 512
     step_timeout_s: float = 30.0
@@ -91,10 +91,19 @@ class SendToHead:
 
 
 @dataclass(frozen=True)
+class GeneratedToken:
+    """A token of the reply, with its log-probabilities when the session asked for them."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Emit:
     """A token of the reply, in order."""
 
-    token: int
+    token: GeneratedToken
 
 
 EntryAction = SendToHead | Emit
@@ -178,18 +187,19 @@ class EntryAttempt:
             raise SessionFailed(ErrorCode.PROTOCOL, f"expected the token for position {self.position}, got "
                                 f"{result.position}", self.tail.peer_id)
         token = int(result.token)
+        generated = GeneratedToken(token, result.logprob if result.has_logprob else None,
+                                   tuple((int(t.token), float(t.logprob)) for t in result.top))
         self.generated += 1
         self._last_progress = now
-        finished = self.plan.eos_token_id is not None and token == self.plan.eos_token_id
-        if finished or self.generated >= self.plan.max_new_tokens:
+        if token in self.plan.stop_token_ids or self.generated >= self.plan.max_new_tokens:
             self.done = True
-            return [Emit(token)]
+            return [Emit(generated)]
         # the token goes back into the route before it goes to the client, so that the client's work
         # on it (detokenizing, streaming) overlaps the next step's compute instead of delaying it
         actions: list[EntryAction] = [SendToHead(b) for b in self._bundles([token], self.position,
                                                                            step=self.generated)]
         self.position += 1
-        return [*actions, Emit(token)]
+        return [*actions, Emit(generated)]
 
     def _bundles(self, tokens: list[int], position: int, step: int) -> list[HiddenStateBundle]:
         head = (self.head.range_start, self.head.range_end)

@@ -26,6 +26,7 @@ from meshd.session.attempt import (
     AttemptEvent,
     Emit,
     EntryAttempt,
+    GeneratedToken,
     HopDead,
     Received,
     SendToHead,
@@ -81,7 +82,7 @@ class RouteSource(Protocol):
 
 
 async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPlan,
-                      alive: Callable[[str], bool] | None, out: trio.MemorySendChannel[int]) -> None:
+                      alive: Callable[[str], bool] | None, out: trio.MemorySendChannel[GeneratedToken]) -> None:
     """Drive one attempt; send each token to ``out``, then close it. Raises ``SessionFailed``."""
     attempt = EntryAttempt(plan, entry_peer_id, trio.current_time())
     results: MessageStream | None = None
@@ -130,7 +131,7 @@ async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPla
 
 
 async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit], head: MessageStream,
-                   out: trio.MemorySendChannel[int]) -> None:
+                   out: trio.MemorySendChannel[GeneratedToken]) -> None:
     """Send bundles to the head and tokens to ``out``, in order; a token is passed on even when the
     route failed right after it (the token itself is good)."""
     failure: SessionFailed | None = None
@@ -208,7 +209,7 @@ class Generation:
     prompt: Sequence[int]
     max_new_tokens: int
     sampling: Sampling
-    eos_token_id: int | None
+    stop_token_ids: frozenset[int]  # tokens that end the reply
 
 
 @dataclass
@@ -233,7 +234,7 @@ class EntrySessions:
         self.running = 0
         self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
 
-    async def generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[int]:
+    async def generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[GeneratedToken]:
         """Yield the generation's tokens, repairing the route as needed; raises the repair policy's
         errors (``NoCompleteRoute``, ``AllRefused``, ``RepairFailed``) or ``DeadlinePassed``."""
         self.running += 1
@@ -243,11 +244,11 @@ class EntrySessions:
         finally:
             self.running -= 1
 
-    async def _generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[int]:
+    async def _generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[GeneratedToken]:
         cfg = self.config
         policy = RepairPolicy(cfg.repair)
         deadline = trio.current_time() + cfg.request_timeout_s
-        generated: list[int] = []
+        generated: list[int] = []  # the reply's token ids so far: a repaired route re-prefills them
         planned: PlannedRoute | None = first
         while len(generated) < gen.max_new_tokens:
             if planned is None:
@@ -257,10 +258,10 @@ class EntrySessions:
             plan = SessionPlan(
                 route=route, addresses=planned.addresses, prompt=[*gen.prompt, *generated],
                 max_new_tokens=gen.max_new_tokens - len(generated), sampling=gen.sampling,
-                eos_token_id=gen.eos_token_id, session_id=gen.session_id, chunk_tokens=cfg.chunk_tokens,
+                stop_token_ids=gen.stop_token_ids, session_id=gen.session_id, chunk_tokens=cfg.chunk_tokens,
                 step_timeout_s=cfg.step_timeout_s, unchanged_prefix=unchanged, resume_from_epoch=resume_from,
             )
-            send, receive = trio.open_memory_channel[int](math.inf)
+            send, receive = trio.open_memory_channel[GeneratedToken](math.inf)
             outcome = _Outcome()
             scope = await self.nursery.start(self._attempt_task, plan, send, outcome, deadline)
             try:
@@ -272,7 +273,7 @@ class EntrySessions:
                             self.repair_ms.setdefault(position, deque(maxlen=STATS_WINDOW)).append(took_ms)
                             log.info("session %s repaired (%s hop lost) in %.0f ms: epoch %d on %s",
                                      gen.session_id, position, took_ms, epoch, route.describe())
-                        generated.append(token)
+                        generated.append(token.token)
                         yield token
                 await outcome.done.wait()  # the attempt's outcome is recorded only once its task has ended
             finally:
@@ -282,7 +283,7 @@ class EntrySessions:
             if outcome.failure is None:
                 return
             failure = outcome.failure
-            if gen.eos_token_id is not None and generated and generated[-1] == gen.eos_token_id:
+            if generated and generated[-1] in gen.stop_token_ids:
                 return
             unreachable = policy.on_failure(failure, len(generated), route, trio.current_time())
             if unreachable is not None:
@@ -307,7 +308,7 @@ class EntrySessions:
                      wait.until - trio.current_time())
             await trio.sleep_until(wait.until)
 
-    async def _attempt_task(self, plan: SessionPlan, send: trio.MemorySendChannel[int], outcome: _Outcome,
+    async def _attempt_task(self, plan: SessionPlan, send: trio.MemorySendChannel[GeneratedToken], outcome: _Outcome,
                             deadline: float, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         """One attempt under the daemon's sessions nursery; its outcome is recorded, never raised."""
         try:

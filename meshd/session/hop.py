@@ -308,7 +308,8 @@ class HopService:
                 session.on_sent(action)
             elif isinstance(action, SendToken):
                 sink = await self._sink_for(session.key)
-                await sink.send_message(m.token_msg(action.position, action.token))
+                await sink.send_message(m.token_msg(action.position, action.token, action.logprob,
+                                                    list(action.top_logprobs)))
 
     async def _send_downstream(self, downstream: MessageStream, next_peer: str, bundle: HiddenStateBundle) -> None:
         bundle.sent_at_ns = time.time_ns()

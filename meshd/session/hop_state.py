@@ -95,6 +95,8 @@ class SendToken:
 
     position: int
     token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 HopAction = Compute | SendDownstream | SendToken
@@ -330,7 +332,7 @@ class HopSession:
             out = bundle.part(bundle.start_position, bundle.end_position, {HIDDEN_STATES: result.hidden_states})
             return [SendDownstream(self._downstream(out), computed=True)]
         if result.token is not None:
-            return [SendToken(bundle.end_position, result.token)]
+            return [SendToken(bundle.end_position, result.token, result.logprob, tuple(result.top_logprobs))]
         return []
 
     def on_sent(self, action: SendDownstream) -> None:

@@ -42,8 +42,14 @@ def bundle_msg(encoded: bytes) -> bytes:
     return pb.SeamMessage(bundle=encoded).SerializeToString()
 
 
-def token_msg(position: int, token: int) -> bytes:
-    return pb.SeamMessage(token=pb.TokenResult(position=position, token=token)).SerializeToString()
+def token_msg(position: int, token: int, logprob: float | None = None,
+              top: list[tuple[int, float]] | None = None) -> bytes:
+    result = pb.TokenResult(position=position, token=token)
+    if logprob is not None:
+        result.has_logprob = True
+        result.logprob = logprob
+        result.top.extend(pb.TokenLogprob(token=t, logprob=lp) for t, lp in top or [])
+    return pb.SeamMessage(token=result).SerializeToString()
 
 
 def error_msg(code: ErrorCode, message: str, peer_id: str) -> bytes:

@@ -45,14 +45,19 @@ _DTYPES: dict[int, tuple[torch.dtype, int]] = {
 _WIRE_DTYPE = {torch_dtype: code for code, (torch_dtype, _) in _DTYPES.items()}
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How the tail picks a token. ``temperature == 0`` is greedy."""
+    """How the tail picks a token (``temperature == 0`` is greedy), and what it reports of the choice."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    logprobs: bool = False   # report the sampled token's log-probability
+    top_logprobs: int = 0    # ...and those of the most likely tokens
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +132,8 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
     if bundle.sampling is not None:
         s = bundle.sampling
         msg.sampling.CopyFrom(
-            pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+            pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, logprobs=s.logprobs,
+                        top_logprobs=s.top_logprobs)
         )
     for name, tensor in bundle.tensors.items():
         code = _WIRE_DTYPE.get(tensor.dtype)
@@ -180,7 +186,10 @@ def decode(data: bytes) -> HiddenStateBundle:
             raise BundleError(f"sampling temperature {s.temperature} is not a finite non-negative number")
         if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
             raise BundleError(f"sampling top_p {s.top_p} is outside [0, 1]")
-        sampling = Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed)
+        if s.top_logprobs > MAX_TOP_LOGPROBS:
+            raise BundleError(f"top_logprobs {s.top_logprobs} is above {MAX_TOP_LOGPROBS}")
+        sampling = Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
+                            logprobs=s.logprobs, top_logprobs=s.top_logprobs)
     return HiddenStateBundle(
         session_id=msg.session_id,
         epoch=msg.epoch,

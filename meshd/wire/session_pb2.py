@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsession.proto\x12\nmeshd.wire\"V\n\nHopAddress\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brange_start\x18\x03 \x01(\r\x12\x11\n\trange_end\x18\x04 \x01(\r\"\x86\x02\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\ncompat_key\x18\x04 \x01(\t\x12$\n\x04hops\x18\x05 \x03(\x0b\x32\x16.meshd.wire.HopAddress\x12\x11\n\thop_index\x18\x06 \x01(\r\x12\x15\n\rentry_peer_id\x18\x07 \x01(\t\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x18\n\x10unchanged_prefix\x18\n \x01(\r\x12\x19\n\x11resume_from_epoch\x18\x0b \x01(\x04\"\x07\n\x05Ready\"\x07\n\x05\x43lose\".\n\x0bTokenResult\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x03\">\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\"\xed\x01\n\x0bSeamMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.meshd.wire.SessionOpenH\x00\x12\x10\n\x06\x62undle\x18\x02 \x01(\x0cH\x00\x12(\n\x05token\x18\x03 \x01(\x0b\x32\x17.meshd.wire.TokenResultH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.meshd.wire.SessionErrorH\x00\x12\"\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x11.meshd.wire.CloseH\x00\x12\"\n\x05ready\x18\x06 \x01(\x0b\x32\x11.meshd.wire.ReadyH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsession.proto\x12\nmeshd.wire\"V\n\nHopAddress\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brange_start\x18\x03 \x01(\r\x12\x11\n\trange_end\x18\x04 \x01(\r\"\x86\x02\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\ncompat_key\x18\x04 \x01(\t\x12$\n\x04hops\x18\x05 \x03(\x0b\x32\x16.meshd.wire.HopAddress\x12\x11\n\thop_index\x18\x06 \x01(\r\x12\x15\n\rentry_peer_id\x18\x07 \x01(\t\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x18\n\x10unchanged_prefix\x18\n \x01(\r\x12\x19\n\x11resume_from_epoch\x18\x0b \x01(\x04\"\x07\n\x05Ready\"\x07\n\x05\x43lose\".\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0bTokenResult\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x13\n\x0bhas_logprob\x18\x03 \x01(\x08\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12%\n\x03top\x18\x05 \x03(\x0b\x32\x18.meshd.wire.TokenLogprob\">\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\"\xed\x01\n\x0bSeamMessage\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.meshd.wire.SessionOpenH\x00\x12\x10\n\x06\x62undle\x18\x02 \x01(\x0cH\x00\x12(\n\x05token\x18\x03 \x01(\x0b\x32\x17.meshd.wire.TokenResultH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.meshd.wire.SessionErrorH\x00\x12\"\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x11.meshd.wire.CloseH\x00\x12\"\n\x05ready\x18\x06 \x01(\x0b\x32\x11.meshd.wire.ReadyH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READY']._serialized_end=389
   _globals['_CLOSE']._serialized_start=391
   _globals['_CLOSE']._serialized_end=398
-  _globals['_TOKENRESULT']._serialized_start=400
-  _globals['_TOKENRESULT']._serialized_end=446
-  _globals['_SESSIONERROR']._serialized_start=448
-  _globals['_SESSIONERROR']._serialized_end=510
-  _globals['_SEAMMESSAGE']._serialized_start=513
-  _globals['_SEAMMESSAGE']._serialized_end=750
+  _globals['_TOKENLOGPROB']._serialized_start=400
+  _globals['_TOKENLOGPROB']._serialized_end=446
+  _globals['_TOKENRESULT']._serialized_start=448
+  _globals['_TOKENRESULT']._serialized_end=571
+  _globals['_SESSIONERROR']._serialized_start=573
+  _globals['_SESSIONERROR']._serialized_end=635
+  _globals['_SEAMMESSAGE']._serialized_start=638
+  _globals['_SEAMMESSAGE']._serialized_end=875
 # @@protoc_insertion_point(module_scope)

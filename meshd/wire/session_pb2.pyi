@@ -52,13 +52,27 @@ class Close(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
 class TokenResult(_message.Message):
-    __slots__ = ("position", "token")
+    __slots__ = ("position", "token", "has_logprob", "logprob", "top")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     position: int
     token: int
-    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+    has_logprob: bool
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message", "peer_id")

@@ -1,0 +1,136 @@
+"""A model's text side: tokenizer, chat template, the tokens that end a reply, and its tool calls.
+
+Everything comes from the model directory as the model's authors wrote it: the tokenizer and its
+special tokens, the chat template (``tokenizer_config.json`` or ``chat_template.jinja``), and the
+tokens that end a reply (the tokenizer's end-of-sequence token and every id ``generation_config.json``
+lists: Llama 3 ends a turn with ``<|eot_id|>``, not only with ``<|end_of_text|>``).
+
+Tools reach the template only when the template takes them. A model then answers a call in its
+family's format, which this module reads back into OpenAI's shape: ``<tool_call>{...}</tool_call>``
+blocks (Qwen, Hermes) where the template names that tag, else a JSON object with ``name`` and
+``parameters`` or ``arguments`` (Llama 3.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshd.session.detokenize import IncrementalDetokenizer
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolFormat(enum.StrEnum):
+    TAGGED = "tagged"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    JSON = "json"      # the whole reply is {"name": ..., "parameters": {...}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class TextCodec:
+    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+        self.has_chat_template = bool(template)
+        self.tool_format: ToolFormat | None = None
+        if template and "tools" in template:
+            self.tool_format = ToolFormat.TAGGED if "<tool_call>" in template else ToolFormat.JSON
+
+    @classmethod
+    def load(cls, directory: Path) -> TextCodec:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        stops: set[int] = set()
+        if tokenizer.eos_token_id is not None:
+            stops.add(int(tokenizer.eos_token_id))
+        generation = Path(directory) / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            stops.update(int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
+        return cls(tokenizer, frozenset(stops))
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
+        if tools:
+            kwargs["tools"] = tools
+        encoded = self.tokenizer.apply_chat_template([_for_template(m) for m in messages], **kwargs)
+        return [int(i) for i in encoded["input_ids"]]
+
+    def encode_text(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), for log-probability entries."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer)
+
+    def tool_calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply split into its plain content and the tool calls it makes (none: all content)."""
+        if self.tool_format is None:
+            return text, []
+        if self.tool_format == ToolFormat.TAGGED:
+            calls = [call for block in _TOOL_CALL.findall(text) if (call := _parse_call(block)) is not None]
+            if not calls:
+                return text, []
+            return _TOOL_CALL.sub("", text).strip(), calls
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        call = _parse_call(body) if body.startswith("{") else None
+        return ("", [call]) if call is not None else (text, [])
+
+    def may_be_tool_call(self, text: str) -> bool:
+        """Whether a reply that starts with ``text`` could still turn out to be a tool call."""
+        if self.tool_format is None:
+            return False
+        head = text.lstrip()
+        marker = "<tool_call>" if self.tool_format == ToolFormat.TAGGED else "{"
+        python_tag = "<|python_tag|>"
+        if self.tool_format == ToolFormat.JSON and (head.startswith(python_tag) or python_tag.startswith(head)):
+            return True
+        return head.startswith(marker) or (len(head) < len(marker) and marker.startswith(head))
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+        return None
+    arguments = doc.get("arguments", doc.get("parameters", {}))
+    return ToolCall(doc["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's message as chat templates take it: tool-call arguments as objects, not JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = dict(message)
+    out["tool_calls"] = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):  # a template may take the text as it is
+                function["arguments"] = json.loads(arguments)
+        out["tool_calls"].append({**call, "function": function})
+    return out
