@@ -37,6 +37,8 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert report["prompt_tokens"] == 16 and report["new_tokens"] == 16
     assert report["tokens_identical"] is True
     assert report["tokens_identical_by_peers"] == {"1": True, "2": True}
+    assert report["split_identical"] is True
+    assert report["dtype"] == "float32" and report["numerics"]
     for key in ("baseline_tok_s", "seam_ms_p50", "seam_ms_p95", "bytes_per_token_per_seam", "batching_gain",
                 "model_size_mb", "baseline_rss_mb", "torch_threads"):
         assert report[key] > 0, key

@@ -76,8 +76,15 @@ def test_a_decode_row_is_the_same_alone_and_in_any_batch(dtype, rows, upcast):
         alone = [F.linear(batch[i : i + 1], weight) for i in range(13)]
         together = F.linear(batch, weight)
         shuffled = F.linear(batch.flip(0), weight).flip(0)
+    tiles = [batch[i : i + rows] for i in range(0, 13 - rows + 1, rows)]
+    untouched = []  # steps of exactly one tile skip the mode, and must compute the same
+    for tile in tiles:
+        with numerics.decode(rows=tile.shape[0]):
+            untouched.append(F.linear(tile, weight))
     for i in range(13):
         assert torch.equal(alone[i][0], together[i]) and torch.equal(alone[i][0], shuffled[i])
+    for t, out in enumerate(untouched):
+        assert torch.equal(out, together[t * rows : (t + 1) * rows])
 
 
 def test_calibration_keeps_the_defaults_for_layers_too_small_to_matter():

@@ -48,11 +48,11 @@ class Baseline:
     ``new_tokens`` (no EOS stop) per token, as often as asked (the benchmark measures it again
     between meshes, so that every mesh is compared with a baseline taken next to it in time)."""
 
-    def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int) -> None:
+    def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
         self.model.eval()
         self.model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.prompt_ids = list(prompt_ids)

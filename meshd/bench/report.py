@@ -142,6 +142,9 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "baseline_rss_mb": _r(baseline.rss_mb, 1),
         "tokens_identical": all(all(m.identical) for m in meshes),
         "tokens_identical_by_peers": {str(m.peers): all(m.identical) for m in meshes},
+        # every split answers what the mesh with the fewest peers answered: the split changes nothing,
+        # whatever the dtype (against transformers only float32 is expected to match token for token)
+        "split_identical": all(m.texts == meshes[0].texts for m in meshes),
         "profile": {"baseline_step_ms": _r(_mean([1000 / v for v in baseline.runs_tok_s if v]))}
         | {k: f["profile"] for k, f in figures.items()},
         "runs_detail": {"baseline": {"tok_s": [_r(v) for v in baseline.runs_tok_s],
@@ -162,7 +165,8 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 def format_summary(report: dict) -> str:
     lines = [
-        f"model {report['model']} ({report['model_size_mb']:.0f} MB fp32), prompt {report['prompt_tokens']} + "
+        f"model {report['model']} ({report['model_size_mb']:.0f} MB {report.get('dtype', 'float32')}), "
+        f"prompt {report['prompt_tokens']} + "
         f"{report['new_tokens']} new tokens, {report['torch_threads']} torch threads, {report['cpu_count']} CPUs",
         "",
         f"{'':10}{'tok/s':>9}{'ratio':>8}{'TTFT ms':>10}{'seam p50/p95 ms':>18}{'B/tok/seam':>12}"
@@ -217,5 +221,8 @@ def format_summary(report: dict) -> str:
                  f"{_fmt(split['prefill_seams_ms'])}; other {_fmt(split['other_ms'])}")
     transfers = report["seam_transfers_per_token"][k]
     lines.append(f"seam transfers per decode token: {_fmt(transfers)} for {len(hops)} hops")
-    lines.append(f"tokens identical to the baseline: {'yes' if report['tokens_identical'] else 'NO'}")
+    lines.append(f"tokens identical to the baseline: {'yes' if report['tokens_identical'] else 'NO'}; "
+                 f"every split identical to the {min(report['mesh_tok_s'], key=int)}-peer mesh: "
+                 f"{'yes' if report['split_identical'] else 'NO'} (dtype {report.get('dtype')}, "
+                 f"numerics {report.get('numerics')})")
     return "\n".join(lines)

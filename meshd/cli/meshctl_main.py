@@ -48,7 +48,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(model=args.model, peers=args.peers, concurrency=args.concurrency,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs,
-                      workdir=Path(args.workdir) if args.workdir else None)
+                      workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype)
     out = Path(args.out) if args.out else Path("bench-out") / f"bench-{Path(args.model).name}.json"
     return main_bench(cfg, out)
 
@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="single-session runs per setup; medians are reported (default 3)")
     bench.add_argument("--out", metavar="FILE", help="JSON report (default: bench-out/bench-MODEL.json)")
     bench.add_argument("--workdir", metavar="DIR", help="keep peer data and logs here (default: a temporary directory)")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
+                       "the checkpoint's)")
     bench.set_defaults(func=_cmd_bench)
 
     bench_relay = sub.add_parser(
@@ -279,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "speed and compat key. Exits 1 when the range would not be served.")
     doctor.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
     doctor.add_argument("--layers", metavar="START:END", help="half-open layer range (default: every layer)")
-    doctor.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    doctor.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="dtype to hold and compute in, as a peer would (default auto: the checkpoint's)")
     doctor.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or mps")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_cmd_doctor)

@@ -35,7 +35,7 @@ from meshd.identity import Identity
 from meshd.models.artifacts import ModelFilesCache
 from meshd.rpc import RPC_PATH, RpcRouter
 from meshd.runtime.devices import device_memory_bytes
-from meshd.runtime.host import ShardHost
+from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import choose_numerics, describe_model
 from meshd.runtime.served_model import PlacementRefused, ServedModel
 from meshd.session import messages as seam
@@ -111,13 +111,15 @@ class Peer:
 
     def _served_model(self, config: PeerConfig) -> ServedModel:
         assert config.model is not None
-        choice = choose_numerics(config.model, config.dtype, config.device, min(128, config.chunk_tokens))
+        compute = ComputeThread()  # every torch op of the peer runs on it, measuring the numerics too
+        choice = compute.call(choose_numerics, config.model, config.dtype, config.device,
+                              min(128, config.chunk_tokens))
         log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
         info = describe_model(config.model, config.model_id or None, numerics=choice.numerics,
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
         host = ShardHost(config.model, numerics=info.numerics, manifest=info.manifest,
                          max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
-                         batch_hold=config.batch_hold)
+                         batch_hold=config.batch_hold, compute=compute)
         return ServedModel(info, host, pinned=config.layers, on_change=self._republish,
                            measured_ms=choice.measured_ms)
 

@@ -77,6 +77,11 @@ class ComputeThread:
             await done.wait()
         return future.result()
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the compute thread, waited for by blocking: for work before the event loop
+        runs (measuring the numerics), which must not give the calling thread an OpenMP team of its own."""
+        return self._executor.submit(fn, *args).result()
+
     def close(self) -> None:
         self._executor.shutdown(wait=False)
 

@@ -340,8 +340,9 @@ class Shard:
             hidden = self._run_layers(hidden, position_ids, session, masks)
             if self.lm_head is None:
                 return StepResult(hidden_states=hidden[0])
-            if not bundle.sample:
-                return StepResult()
+        if not bundle.sample:
+            return StepResult()
+        with self.numerics.decode(rows=1):  # one row, as in a decode step: no upcast of the whole head
             logits = self._logits(hidden[:, -1:, :])[0]
         return self._sampled(logits, session.sampling, start + n)
 
@@ -354,7 +355,7 @@ class Shard:
         rows = DecodeRows(sessions, masks)
         token = decode_rows().set(rows)
         try:
-            with self.numerics.decode():
+            with self.numerics.decode(rows=len(sessions)):
                 stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
                 hidden = self.embed(stacked) if self.embed is not None else stacked
                 position_ids = torch.tensor(lengths, dtype=torch.long, device=self.device).unsqueeze(1)
