@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshd-installed
+NATIVE := $(VENV)/.meshd-native
 
-.PHONY: demo test test-fast lint proto bench clean
+.PHONY: demo test test-fast lint proto bench clean native
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,13 +14,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	@touch $@
 
+# llama.cpp for GGUF models (native/): built from source, about 5 minutes the first time.
+$(NATIVE): $(STAMP) native/build.sh
+	native/build.sh $(BIN)/python cpu
+	@touch $@
+
+native: $(NATIVE)
+
 demo: $(STAMP)
 	$(BIN)/meshctl demo
 
-test: $(STAMP)
+# MESHD_REQUIRE_NATIVE: the llama.cpp tests fail rather than skip when llama-cpp-python is missing.
+test: $(NATIVE)
 	$(BIN)/ruff check meshd tests relay
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	MESHD_REQUIRE_NATIVE=1 $(BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow'

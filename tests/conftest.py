@@ -19,6 +19,14 @@ hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def meshd_home(tmp_path_factory) -> Path:
+    """Tools that keep files under ``$MESHD_HOME`` (derived GGUF directories, manifests) keep them here."""
+    home = tmp_path_factory.mktemp("meshd-home")
+    os.environ["MESHD_HOME"] = str(home)
+    return home
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return create_builtin("tiny", tmp_path_factory.mktemp("models") / "tiny")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import trio
@@ -38,6 +38,7 @@ class Hop:
     service: HopService
     host: ShardHost
     scope: trio.CancelScope
+    info: ModelInfo
     hung: bool = False  # this hop stops computing (and so answering), though its streams stay open
 
     @property
@@ -55,12 +56,13 @@ class Routes:
     asked: int = 0
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
-                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> PlannedRoute:
+                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset(),
+                        compat_key: str = "") -> PlannedRoute:
         await trio.lowlevel.checkpoint()
         self.asked += 1
         offers = [self.mesh.offer(h) for h in self.mesh.live_hops() if h.peer_id not in self.dead]
         route = plan_route(model_id, offers, lambda _p: 1.0, exclude=exclude, keep=keep,
-                           avoid=avoid | frozenset(self.unreachable))
+                           avoid=avoid | frozenset(self.unreachable), compat_key=compat_key)
         return PlannedRoute(route, {h.peer_id: self.mesh.hops[h.peer_id].address for h in route.hops}, "test")
 
     def is_alive(self, peer_id: str) -> bool:
@@ -86,14 +88,16 @@ class InProcessMesh:
         return [h for h in self.hops.values() if self.network.is_alive(h.peer_id) and h.host.shard is not None]
 
     def offer(self, hop: Hop) -> ShardOffer:
-        info = self.info
+        info = hop.info
         return ShardOffer(peer_id=hop.peer_id, model_id=info.model_id, compat_key=info.compat_key,
                           n_layers=info.n_layers, layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes,
                           memory_budget_bytes=1 << 40, range=hop.layers,
                           active_sessions=hop.service.active_sessions)
 
     async def add_hop(self, name: str, layers: tuple[int, int], *, limits: AdmissionLimits | None = None,
-                      kv_budget: int | None = None) -> Hop:
+                      kv_budget: int | None = None, compat_key: str = "") -> Hop:
+        """A hop serving ``layers``; ``compat_key`` makes it claim another one (another numerics class)."""
+        info = replace(self.info, compat_key=compat_key) if compat_key else self.info
         host = ShardHost(self.model_dir, kv_budget_bytes=kv_budget, compute=InlineCompute())
         await host.load(*layers)
         address = f"{name}.test:7700"
@@ -110,8 +114,8 @@ class InProcessMesh:
 
         scope = await self.nursery.start(_hop_scope)
         opener = self.network.join(name, address, serve, scope.nursery)
-        service = HopService(name, opener, host, self.info, limits)
-        hop = Hop(name, address, layers, service, host, scope.cancel_scope)
+        service = HopService(name, opener, host, info, limits)
+        hop = Hop(name, address, layers, service, host, scope.cancel_scope, info)
         hop_box.append(hop)
         await scope.nursery.start(service.run)
         original = host.forward

@@ -244,3 +244,24 @@ async def test_sessions_that_share_hops_stay_apart_when_one_of_them_fails(tiny_m
 
 class _Enough(Exception):
     pass
+
+
+async def test_a_repair_stays_with_peers_that_compute_as_the_route_did(tiny_model, reference, autojump_clock):
+    """A complete, cheaper route of another numerics class is there all along; the repair waits for a
+    replacement of the session's own class instead of re-prefilling onto peers that compute otherwise."""
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+
+        async def other_class_and_later_own() -> None:
+            await mesh.add_hop("other", (0, 4), compat_key="another-numerics-class")
+            await trio.sleep(3.0)
+            await mesh.add_hop("back", (1, 3))
+
+        async def disturb(count: int) -> None:
+            if count == 10:
+                mesh.kill(hops[1])
+                mesh.nursery.start_soon(other_class_and_later_own)
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert mesh.hops["other"].service.stats.sessions_served == 0
+        assert mesh.hops["back"].service.stats.sessions_served == 1

@@ -12,9 +12,9 @@ LAYER = 100
 EDGE = 50
 
 
-def offer(pid, budget, rng=None, n=4, **kw) -> ShardOffer:
-    return ShardOffer(peer_id=pid, model_id="m", compat_key="k", n_layers=n, layer_bytes=LAYER, edge_bytes=EDGE,
-                      memory_budget_bytes=budget, range=rng, **kw)
+def offer(pid, budget, rng=None, n=4, compat_key="k", **kw) -> ShardOffer:
+    return ShardOffer(peer_id=pid, model_id="m", compat_key=compat_key, n_layers=n, layer_bytes=LAYER,
+                      edge_bytes=EDGE, memory_budget_bytes=budget, range=rng, **kw)
 
 
 def test_three_peers_cover_the_model_without_manual_ranges():
@@ -74,3 +74,14 @@ def test_incompatible_hops_are_never_mixed():
     offers = [offer("a", 0, (0, 2)), ShardOffer("b", "m", "other", 4, LAYER, EDGE, 0, (2, 4))]
     with pytest.raises(NoRouteError):
         plan_route("m", offers, rtt_ms=lambda p: 1.0)
+
+
+def test_a_route_never_mixes_compat_keys():
+    """Two numerics classes that only together cover the model give no route; each whole class does."""
+    offers = [offer("a1", 1, (0, 2), compat_key="class-a"), offer("b1", 1, (2, 4), compat_key="class-b")]
+    with pytest.raises(NoRouteError):
+        plan_route("m", offers, lambda _p: 1.0)
+    offers += [offer("a2", 1, (2, 4), compat_key="class-a"), offer("b0", 1, (0, 4), compat_key="class-b")]
+    assert plan_route("m", offers, lambda _p: 1.0).compat_key == "class-b"  # one hop is cheapest
+    kept = plan_route("m", offers, lambda _p: 1.0, compat_key="class-a")
+    assert kept.compat_key == "class-a" and [h.peer_id for h in kept.hops] == ["a1", "a2"]

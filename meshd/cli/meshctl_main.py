@@ -16,10 +16,30 @@ from meshd.models.builtin import BUILTIN_MODELS, create_builtin, default_model_d
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:
+    from meshd.errors import MeshError
+
+    def say(message: str) -> None:
+        print(f"  {message}", file=sys.stderr)
+
+    if args.format == "gguf":
+        from meshd.models.gguf_export import create_builtin_gguf
+
+        out = Path(args.out) if args.out else default_model_dir(args.name).with_name(f"{args.name}-{args.quant}.gguf")
+        print(f"creating built-in model {args.name!r} as {args.quant} GGUF in {out}", file=sys.stderr)
+        try:
+            create_builtin_gguf(args.name, out, args.quant, say, force=args.force)
+        except (FileExistsError, MeshError) as exc:
+            print(f"meshctl: {exc}", file=sys.stderr)
+            return 1
+        print(out)
+        return 0
+    if args.quant != "f32":
+        print("meshctl: --quant applies to --format gguf", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else default_model_dir(args.name)
     print(f"creating built-in model {args.name!r} in {out}", file=sys.stderr)
     try:
-        create_builtin(args.name, out, progress=lambda m: print(f"  {m}", file=sys.stderr), force=args.force)
+        create_builtin(args.name, out, progress=say, force=args.force)
     except FileExistsError as exc:
         print(f"meshctl: {exc}", file=sys.stderr)
         return 1
@@ -177,10 +197,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"meshctl: {exc}", file=sys.stderr)
         return 2
     model = Path(args.model)
-    if not model.is_dir():
-        print(f"meshctl: {model} is not a directory", file=sys.stderr)
+    if not (model.is_dir() or (model.is_file() and model.suffix.lower() == ".gguf")):
+        print(f"meshctl: {model} is neither a model directory nor a GGUF file", file=sys.stderr)
         return 2
-    report = run_doctor(model, layers, args.dtype, args.device, say=lambda m: print(m, file=sys.stderr))
+    report = run_doctor(model, layers, args.dtype, args.device, backend=args.backend,
+                        say=lambda m: print(m, file=sys.stderr))
     doc = report.as_json()
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -188,7 +209,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         for check in report.checks:
             print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
         if report.ok:
-            for key in ("model_id", "architecture", "device", "dtype", "numerics", "compat_key", "parameter_bytes",
+            for key in ("model_id", "architecture", "backend", "device", "dtype", "numerics", "compat_key",
+                        "parameter_bytes",
                         "rss_growth_bytes", "load_s", "decode_tok_s"):
                 print(f"{key:>16}: {doc[key]}")
         else:
@@ -215,12 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     create = model_sub.add_parser(
         "create",
         help="generate a built-in model deterministically (no downloads)",
-        description="Write a built-in model as a Hugging Face directory. The same name always gives "
-        "byte-identical files.",
+        description="Write a built-in model as a Hugging Face directory (safetensors, float32) or as one GGUF "
+        "file, from the same weights. The same name and options always give byte-identical files.",
     )
     create.add_argument("name", choices=sorted(BUILTIN_MODELS), help="which built-in model")
-    create.add_argument("--out", metavar="DIR", help="output directory (default: $MESHD_HOME/models/NAME)")
-    create.add_argument("--force", action="store_true", help="replace an existing directory")
+    create.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                        help="a Hugging Face directory (default) or a GGUF file as llama.cpp lays one out")
+    create.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"], default="f32",
+                        help="GGUF weights: f32 (default), f16, q8_0, or q4_k (llama.cpp's Q4_K_M mix; needs "
+                        "llama-cpp-python, `make native`)")
+    create.add_argument("--out", metavar="PATH", help="output directory, or file for GGUF (default: "
+                        "$MESHD_HOME/models/NAME, or $MESHD_HOME/models/NAME-QUANT.gguf)")
+    create.add_argument("--force", action="store_true", help="replace an existing directory or file")
     create.set_defaults(func=_cmd_model_create)
 
     demo = sub.add_parser("demo", help="run the built-in model split into ranges and compare with one process")
@@ -280,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read and hash the checkpoint, load the range, check every weight is finite and that a canonical "
         "input goes through every layer (prefill and decode), and report device, dtype, numerics, memory, decode "
         "speed and compat key. Exits 1 when the range would not be served.")
-    doctor.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
+    doctor.add_argument("--model", required=True, metavar="PATH", help="Hugging Face model directory or GGUF file")
+    doctor.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
+                        help="what computes the layers, as a peer would (default auto: llama.cpp for a GGUF file "
+                        "when installed)")
     doctor.add_argument("--layers", metavar="START:END", help="half-open layer range (default: every layer)")
     doctor.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="dtype to hold and compute in, as a peer would (default auto: the checkpoint's)")

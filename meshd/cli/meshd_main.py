@@ -56,8 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reachability", choices=["auto", "direct", "relayed"],
                      help="auto: let other peers test whether we can be dialled (default); direct: always "
                      "advertise --advertise; relayed: advertise only relay addresses")
-    run.add_argument("--model", metavar="DIR", help="Hugging Face model directory this peer can serve")
-    run.add_argument("--model-id", help="the model's name in the API (default: directory name)")
+    run.add_argument("--model", metavar="PATH",
+                     help="the model this peer can serve: a Hugging Face directory or a GGUF file")
+    run.add_argument("--model-id", help="the model's name in the API (default: the directory's name, or the GGUF "
+                     "file's without .gguf)")
+    run.add_argument("--backend", choices=["auto", "torch", "llama.cpp"],
+                     help="what computes the layers: llama.cpp (GGUF files, needs `make native`) or torch "
+                     "(every model; GGUF weights dequantized); default auto: llama.cpp for a GGUF file when "
+                     "it is installed")
     run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                      help="dtype of weights, activations and the seam (default auto: the checkpoint's own); "
@@ -99,7 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
         "log_level": args.log_level, "ready_file": args.ready_file, "torch_threads": args.torch_threads,
-        "compression": args.compression, "dtype": args.dtype, "device": args.device,
+        "compression": args.compression, "dtype": args.dtype, "device": args.device, "backend": args.backend,
     }
     try:
         config = load_config(args.config, overrides)

@@ -37,8 +37,10 @@ class PeerConfig:
     api: str = "127.0.0.1:8000"             # OpenAI API
     control: str = "127.0.0.1:7701"         # meshctl control API (loopback only unless told)
     bootstrap: list[str] = field(default_factory=list)
-    model: Path | None = None               # model directory this peer can serve
-    model_id: str = ""                      # name clients use; defaults to the directory name
+    model: Path | None = None               # model this peer can serve: a Hugging Face directory or a GGUF file
+    model_id: str = ""                      # name clients use; defaults to the directory (or file) name
+    backend: str = "auto"                   # what computes the layers: auto (llama.cpp for GGUF when
+                                            # installed, else torch), torch or llama.cpp
     layers: tuple[int, int] | None = None   # pinned range; otherwise the tracker places one
     dtype: str = "auto"                     # weights, activations, seam: auto (the checkpoint's), float32,
                                             # bfloat16 or float16
@@ -98,6 +100,7 @@ _CONVERTERS: dict[str, Any] = {
     "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
     "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
+    "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
 }
 

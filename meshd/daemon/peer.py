@@ -33,6 +33,7 @@ from meshd.errors import MeshError
 from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.models.artifacts import ModelFilesCache
+from meshd.models.gguf_model import model_directory
 from meshd.rpc import RPC_PATH, RpcRouter
 from meshd.runtime.devices import device_memory_bytes
 from meshd.runtime.host import ComputeThread, ShardHost
@@ -111,13 +112,14 @@ class Peer:
 
     def _served_model(self, config: PeerConfig) -> ServedModel:
         assert config.model is not None
+        model_dir, model_id = model_directory(config.model, config.data_dir / "cache")
         compute = ComputeThread()  # every torch op of the peer runs on it, measuring the numerics too
-        choice = compute.call(choose_numerics, config.model, config.dtype, config.device,
-                              min(128, config.chunk_tokens))
+        choice = compute.call(choose_numerics, model_dir, config.dtype, config.device,
+                              min(128, config.chunk_tokens), config.backend)
         log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
-        info = describe_model(config.model, config.model_id or None, numerics=choice.numerics,
+        info = describe_model(model_dir, config.model_id or model_id, numerics=choice.numerics,
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
-        host = ShardHost(config.model, numerics=info.numerics, manifest=info.manifest,
+        host = ShardHost(model_dir, numerics=info.numerics, manifest=info.manifest,
                          max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
                          batch_hold=config.batch_hold, compute=compute)
         return ServedModel(info, host, pinned=config.layers, on_change=self._republish,

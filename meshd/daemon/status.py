@@ -32,6 +32,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "device": served.info.numerics.device if served else None,
         "dtype": served.info.numerics.dtype_name if served else None,
         "numerics": served.info.numerics.name if served else None,
+        "backend": served.info.numerics.backend if served else None,
         "numerics_measured_ms": served.measured_ms if served else {},
         "shard_error": (served.error or None) if served else (peer.model_error or None),
         "shard_checks": [c.__dict__ for c in served.checks] if served else [],
@@ -59,6 +60,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
             "state": "self" if peer_id == peer.peer_id else members.get(peer_id, MemberState.ALIVE).name,
             "models": [{"model_id": m.model_id, "start": m.range_start, "end": m.range_end,
                         "n_layers": m.n_layers, "compat_key": m.compat_key, "numerics": m.numerics,
+                        "backend": m.backend or "torch", "quantization": m.quantization or None,
                         "decode_tok_s": round(m.decode_tok_s, 2), "shard_error": m.shard_error or None}
                        for m in card.models],
             "device": card.hardware.device, "device_memory_bytes": card.hardware.device_memory_bytes,

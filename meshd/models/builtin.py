@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from meshd.files import staged_directory
 from meshd.models.tokenizer import BOS, BUILTIN_LAYOUT, EOS, PAD, SPECIAL_TOKENS, TokenizerLayout, write_tokenizer
 from meshd.runtime.adapters import registry
 
@@ -46,7 +45,7 @@ class BuiltinSpec:
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny": BuiltinSpec(
         name="tiny", seed=1, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=192, vocab_size=262, max_positions=2048, tie_embeddings=False, weight_files=1,
+        intermediate_size=192, vocab_size=320, max_positions=2048, tie_embeddings=False, weight_files=1,
     ),
     "bench": BuiltinSpec(
         name="bench", seed=2, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
@@ -204,15 +203,8 @@ def create_builtin(name: str, out_dir: Path, progress: ProgressFn | None = None,
         raise FileExistsError(f"{out_dir} already exists and is not empty (use --force to replace it)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     config = make_config("llama", spec)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as staging:
         write_model(staging, config, spec.seed, spec.weight_files, progress)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.runtime.backends import open_shard
 from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS, Shard
 from meshd.runtime.speed_probe import measure_decode_tok_s
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
@@ -43,9 +44,13 @@ class Check:
 def check_shard(shard: Shard) -> list[Check]:
     """Run the checks; raises :class:`ShardCheckFailed` naming the first that failed."""
     checks: list[Check] = []
-    bad = [name for name, p in _parameters(shard) if not bool(torch.isfinite(p).all())]
+    bad, count = [], 0
+    for name, tensor in shard.weight_tensors():
+        count += 1
+        if not bool(torch.isfinite(tensor).all()):
+            bad.append(name)
     checks.append(Check("weights are finite", not bad, f"not finite: {', '.join(bad[:5])}" if bad else
-                        f"{sum(1 for _ in _parameters(shard))} tensors"))
+                        f"{count} tensors"))
     if bad:
         raise ShardCheckFailed(f"weights that are not finite: {', '.join(bad[:5])}")
     spec = shard.spec
@@ -88,15 +93,6 @@ def check_shard(shard: Shard) -> list[Check]:
     return checks
 
 
-def _parameters(shard: Shard) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for prefix, module in (("embed", shard.embed), ("layers", shard.layers), ("norm", shard.norm),
-                           ("lm_head", shard.lm_head)):
-        if module is not None:
-            out += [(f"{prefix}.{name}", p) for name, p in module.named_parameters()]
-    return out
-
-
 @dataclass
 class DoctorReport:
     model_dir: str
@@ -111,28 +107,33 @@ class DoctorReport:
                 **self.model, "checks": [c.__dict__ for c in self.checks]}
 
 
-def run_doctor(model_dir: Path, layers: tuple[int, int] | None, dtype: str, device: str,
-               say: Any = None) -> DoctorReport:
-    """Describe, load and check one range of a model directory, as a peer would before serving it."""
+def run_doctor(model_path: Path, layers: tuple[int, int] | None, dtype: str, device: str,
+               say: Any = None, backend: str = "auto") -> DoctorReport:
+    """Describe, load and check one range of a model (a directory or a GGUF file), as a peer would
+    before serving it."""
+    from meshd.models.gguf_model import default_cache_root, model_directory
+    from meshd.runtime.manifest import env_cache_dir
     from meshd.runtime.model_info import choose_numerics, describe_model
 
-    report = DoctorReport(str(model_dir), layers or (0, 0))
+    report = DoctorReport(str(model_path), layers or (0, 0))
     try:
-        choice = choose_numerics(model_dir, dtype, device)
-        info = describe_model(model_dir, numerics=choice.numerics, say=say)
+        model_dir, model_id = model_directory(model_path, default_cache_root())
+        choice = choose_numerics(model_dir, dtype, device, backend=backend)
+        info = describe_model(model_dir, model_id, numerics=choice.numerics, say=say, cache_dir=env_cache_dir())
         start, end = layers if layers is not None else (0, info.n_layers)
         report.layers = (start, end)
         report.checks.append(Check("the checkpoint reads and hashes", True,
                                    f"{len(info.manifest.tensors)} tensors, {info.manifest.total_bytes / 1e6:.1f} MB"))
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
-        shard = Shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest)
+        shard = open_shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest)
         load_s = time.perf_counter() - started
         report.checks.append(Check(f"layers [{start}, {end}) load", True, f"{load_s:.2f}s"))
         report.checks += check_shard(shard)
         report.model = {
             "model_id": info.model_id, "architecture": info.architecture, "n_layers": info.n_layers,
-            "device": info.numerics.device, "dtype": info.numerics.dtype_name, "numerics": info.numerics.name,
+            "backend": info.numerics.backend, "device": info.numerics.device, "dtype": info.numerics.dtype_name,
+            "numerics": info.numerics.name,
             "measured_ms": choice.measured_ms, "compat_key": info.compat_key,
             "parameter_bytes": shard.parameter_bytes(),
             "rss_growth_bytes": psutil.Process().memory_info().rss - rss_before, "load_s": round(load_s, 3),

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from meshd.runtime.backends import open_shard
 from meshd.runtime.batching import StepBatcher
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import Numerics
@@ -126,7 +127,7 @@ class ShardHost:
         if self.shard is not None:
             raise RuntimeError(f"already holding layers {self.range}")
         log.info("loading layers [%d, %d) of %s", start, end, self.model_dir)
-        shard = await self.compute.run(lambda: Shard(self.model_dir, start, end, **self._shard_options))
+        shard = await self.compute.run(lambda: open_shard(self.model_dir, start, end, **self._shard_options))
         outcome = await self.compute.run(check, shard) if check is not None else None
         self.shard = shard
         self.loaded.set()

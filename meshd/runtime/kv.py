@@ -72,14 +72,26 @@ class KVManager:
         budget_bytes: int | None = None,
         ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        new_session: Callable[[SessionKey, Sampling, float], SessionKV] | None = None,
+        on_forget: Callable[[SessionKV], None] | None = None,
     ) -> None:
+        """``new_session`` and ``on_forget`` let an engine that keeps KV outside these tensors (llama.cpp's
+        sequences) hand out its own sessions and learn when one is gone."""
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
         self._clock = clock
+        self._new_session = new_session or (lambda key, sampling, now: SessionKV(key=key, sampling=sampling,
+                                                                                 last_used=now))
+        self._on_forget = on_forget
         self._sessions: OrderedDict[SessionKey, SessionKV] = OrderedDict()
         self._bytes: dict[SessionKey, int] = {}
         self._gone: OrderedDict[SessionKey, str] = OrderedDict()
         self._lock = threading.RLock()
+
+    def with_sessions(self, new_session: Callable[[SessionKey, Sampling, float], SessionKV],
+                      on_forget: Callable[[SessionKV], None]) -> KVManager:
+        """An empty manager with the same budget, TTL and clock, handing out ``new_session``'s sessions."""
+        return KVManager(self.budget_bytes, self.ttl_s, self._clock, new_session, on_forget)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -109,7 +121,7 @@ class KVManager:
             self.expire()
             if key in self._sessions:
                 self._forget(key, "replaced")
-            session = SessionKV(key=key, sampling=sampling, last_used=self._clock())
+            session = self._new_session(key, sampling, self._clock())
             self._sessions[key] = session
             self._bytes[key] = 0
             self._gone.pop(key, None)
@@ -152,7 +164,7 @@ class KVManager:
             if session is None or new in self._sessions:
                 return 0
             keep = min(length, session.length)
-            self._forget(old, f"resumed as epoch {new[1]}")
+            self._forget(old, f"resumed as epoch {new[1]}", dispose=False)
             session.truncate(keep)
             session.key = new
             session.last_used = self._clock()
@@ -176,9 +188,11 @@ class KVManager:
                 self._forget(key, f"evicted: idle longer than {self.ttl_s:g}s")
             return expired
 
-    def _forget(self, key: SessionKey, reason: str) -> None:
+    def _forget(self, key: SessionKey, reason: str, dispose: bool = True) -> None:
         """Drop a session, remembering why (called with the lock held)."""
-        self._sessions.pop(key, None)
+        session = self._sessions.pop(key, None)
+        if session is not None and dispose and self._on_forget is not None:
+            self._on_forget(session)
         self._bytes.pop(key, None)
         self._gone[key] = reason
         self._gone.move_to_end(key)

@@ -1,4 +1,8 @@
-"""Read a Hugging Face model directory and load only the tensors a shard owns.
+"""Read a model directory and load only the tensors a shard owns.
+
+A model directory holds a Hugging Face checkpoint (safetensors files) or, for a GGUF model, a link
+to the GGUF file beside the config and tokenizer derived from it (:mod:`meshd.models.gguf_model`);
+:func:`open_checkpoint` gives the one reader or the other behind one interface.
 
 The checkpoint's index (or single file) tells which file holds each tensor; tensors are read one by
 one, straight from the safetensors data (:mod:`meshd.runtime.manifest` reads the headers), so a
@@ -13,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -39,23 +44,60 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     return config
 
 
+class Checkpoint(Protocol):
+    """Where each tensor of a checkpoint lives, and how to read exactly the tensors asked for."""
+
+    files: dict[str, Path]  # tensor name -> the file holding it
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def names_with_prefix(self, prefix: str) -> list[str]: ...
+
+    def entry(self, name: str) -> dict[str, object]: ...
+
+    def load(self, names: Iterable[str], dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> dict[str, torch.Tensor]: ...
+
+
+def is_gguf_model(model_dir: Path) -> bool:
+    from meshd.runtime.gguf_checkpoint import GGUF_FILE
+
+    return (Path(model_dir) / GGUF_FILE).exists()
+
+
+def open_checkpoint(model_dir: Path, manifest: Manifest | None = None) -> Checkpoint:
+    """The reader of the directory's weights: its GGUF file, or its safetensors files."""
+    if is_gguf_model(model_dir):
+        from meshd.runtime.gguf_checkpoint import GgufIndex
+
+        return GgufIndex(model_dir, manifest)
+    return SafetensorsIndex(model_dir, manifest)
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files, in name order."""
-    return sorted(set(CheckpointIndex(model_dir).files.values()))
+    if is_gguf_model(model_dir):
+        from meshd.runtime.gguf_checkpoint import GGUF_FILE
+
+        return [Path(model_dir) / GGUF_FILE]
+    return sorted(set(SafetensorsIndex(model_dir).files.values()))
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype:
-    """The dtype the checkpoint's layer weights are stored in, read from a safetensors header."""
-    index = CheckpointIndex(model_dir)
-    names = [n for n in index.files if ".layers." in n] or list(index.files)
-    stored = index.entry(names[0])["dtype"]
+    """The dtype the checkpoint's layer weights are stored in; float32 for quantized GGUF weights,
+    which a torch shard dequantizes."""
+    index = open_checkpoint(model_dir)
+    names = [n for n in index.files if ".layers." in n and n.endswith("proj.weight")] or list(index.files)
+    stored = str(index.entry(names[0])["dtype"])
+    if is_gguf_model(model_dir):
+        return FLOAT_DTYPES.get(stored, torch.float32)
     if stored not in FLOAT_DTYPES:
         raise ModelFormatError(f"{model_dir} stores its weights as {stored}; meshd runs float32, bfloat16 and "
                                "float16 checkpoints")
-    return FLOAT_DTYPES[str(stored)]
+    return FLOAT_DTYPES[stored]
 
 
-class CheckpointIndex:
+class SafetensorsIndex:
     """Where each tensor of a safetensors checkpoint lives, and how to read exactly its bytes."""
 
     def __init__(self, model_dir: Path, manifest: Manifest | None = None) -> None:

@@ -83,7 +83,14 @@ def _numel(shape: Iterable[int]) -> int:
 
 
 def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> list[TensorEntry]:
-    """Every tensor of one safetensors file, hashed a tensor at a time."""
+    """Every tensor of one safetensors (or GGUF) file, hashed a tensor at a time."""
+    if path.suffix == ".gguf" or path.resolve().suffix == ".gguf":
+        from meshd.runtime.gguf_checkpoint import hash_gguf
+
+        entries = hash_gguf(path)
+        if progress is not None:
+            progress(sum(e.nbytes for e in entries))
+        return entries
     header, data_start = read_header(path)
     entries = []
     with path.open("rb") as f:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from meshd.errors import ModelFormatError
 from meshd.runtime.adapters import adapter_for
+from meshd.runtime.backends import resolve_backend
 from meshd.runtime.devices import resolve_device
-from meshd.runtime.loader import CheckpointIndex, load_config, weight_files
+from meshd.runtime.loader import Checkpoint, is_gguf_model, load_config, open_checkpoint, weight_files
 from meshd.runtime.manifest import Manifest, weights_manifest
 from meshd.runtime.numerics import Choice, Numerics, calibrate, default_numerics
 from meshd.wire.bundle import SCHEMA_VERSION
@@ -68,12 +70,20 @@ def read_small_files(model_dir: Path) -> dict[str, bytes]:
     return {n: (model_dir / n).read_bytes() for n in (*CONFIG_FILES, *TOKENIZER_FILES) if (model_dir / n).is_file()}
 
 
-def _bytes_of(index: CheckpointIndex, names: list[str], itemsize: int) -> int:
+def _bytes_of(index: Checkpoint, names: list[str], itemsize: int | None) -> int:
+    """Bytes of the named tensors at ``itemsize`` bytes an element, or as stored when None."""
     total = 0
     for name in names:
-        shape = index.entry(name)["shape"]
+        entry = index.entry(name)
+        if itemsize is None:
+            if "nbytes" in entry:
+                total += int(entry["nbytes"])  # type: ignore[call-overload]
+            else:
+                begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
+                total += end - begin
+            continue
         n = 1
-        for d in shape:  # type: ignore[attr-defined]
+        for d in entry["shape"]:  # type: ignore[attr-defined]
             n *= int(d)
         total += n * itemsize
     return total
@@ -87,29 +97,45 @@ class ModelSizes:
 
 
 def model_sizes(model_dir: Path, dtype: torch.dtype | None = None) -> ModelSizes:
-    """Layer and embedding bytes at ``dtype`` (default: as stored), from the headers alone."""
-    from meshd.runtime.loader import checkpoint_dtype
-
+    """Layer and embedding bytes at ``dtype``, or as stored (quantized GGUF tensors at their packed
+    size) when None, from the headers alone."""
     config = load_config(model_dir)
     adapter = adapter_for(config)
-    index = CheckpointIndex(model_dir)
-    itemsize = torch.empty((), dtype=dtype or checkpoint_dtype(model_dir)).element_size()
+    index = open_checkpoint(model_dir)
+    itemsize = None if dtype is None else torch.empty((), dtype=dtype).element_size()
     layer_bytes = _bytes_of(index, index.names_with_prefix(adapter.layer_tensor_prefix(0)), itemsize)
     edge_bytes = _bytes_of(index, [adapter.embed_tensor], itemsize) if adapter.embed_tensor in index else 0
     return ModelSizes(config.num_hidden_layers, layer_bytes, edge_bytes)
 
 
-def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", prefill_rows: int = 128) -> Choice:
+def gguf_weights_name(model_dir: Path) -> str:
+    """``gguf-<quantization>`` for a GGUF model, else empty."""
+    if not is_gguf_model(model_dir):
+        return ""
+    from meshd.runtime.gguf_checkpoint import GGUF_FILE, open_gguf, quantization_of
+
+    return f"gguf-{quantization_of(open_gguf(Path(model_dir) / GGUF_FILE))}"
+
+
+def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", prefill_rows: int = 128,
+                    backend: str = "auto") -> Choice:
     """The numerics a shard of this model uses here: the requested dtype (``auto``: the checkpoint's
-    own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``)."""
+    own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``);
+    or, on the llama.cpp backend, ggml's own numerics for the file's quantization."""
     from meshd.runtime.shard import resolve_dtype
 
     model_dir = Path(model_dir)
+    weights = gguf_weights_name(model_dir)
+    if resolve_backend(backend, model_dir) == "llama.cpp":
+        if dtype not in ("auto", "float32"):
+            raise ModelFormatError(f"the llama.cpp backend computes in the GGUF file's own types; --dtype {dtype} "
+                                   "applies to the torch backend")
+        return Choice(Numerics(torch.float32, resolve_device(device), backend="llama.cpp", weights=weights), {})
     held = resolve_dtype(dtype, model_dir)
-    base = default_numerics(held, resolve_device(device))
+    base = replace(default_numerics(held, resolve_device(device)), weights=weights)
     config = load_config(model_dir)
     adapter = adapter_for(config)
-    index = CheckpointIndex(model_dir)
+    index = open_checkpoint(model_dir)
     shapes: list[tuple[int, int]] = []
     for name in index.names_with_prefix(adapter.layer_tensor_prefix(0)):
         shape = index.entry(name)["shape"]
@@ -130,10 +156,11 @@ def describe_model(model_dir: Path, model_id: str | None = None, *, numerics: Nu
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     adapter = adapter_for(config)
-    numerics = numerics or default_numerics(checkpoint_dtype(model_dir), "cpu")
+    numerics = numerics or replace(default_numerics(checkpoint_dtype(model_dir), "cpu"),
+                                   weights=gguf_weights_name(model_dir))
     manifest = weights_manifest(weight_files(model_dir), cache_dir, say)
     tok_digest = tokenizer_digest_of(read_small_files(model_dir))
-    sizes = model_sizes(model_dir, numerics.dtype)
+    sizes = model_sizes(model_dir, None if numerics.backend == "llama.cpp" else numerics.dtype)
     return ModelInfo(
         model_id=model_id or model_dir.name,
         model_dir=model_dir,

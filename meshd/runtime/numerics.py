@@ -57,6 +57,8 @@ class Numerics:
     prefill_fp32: bool = False  # prefill linears as fp32 GEMMs of upcast weights (bf16/fp16 held)
     decode_fp32: bool = False   # decode linears the same way
     decode_rows: int = 1        # decode linears run in GEMMs of exactly this many rows
+    backend: str = "torch"      # or "llama.cpp": ggml computes the layers (the fields above do not apply)
+    weights: str = ""           # the stored form when it is not the held dtype: "gguf-q8_0" ...
 
     @property
     def dtype_name(self) -> str:
@@ -69,9 +71,12 @@ class Numerics:
     @property
     def name(self) -> str:
         """A stable name of the class, for cards, status and the compat key."""
+        if self.backend == "llama.cpp":
+            return f"llama.cpp/{self.device_kind}/{self.weights or 'gguf'}"
         prefill = "fp32" if self.prefill_fp32 else "native"
         decode = "fp32" if self.decode_fp32 else "native"
-        return f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{self.decode_rows}"
+        name = f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{self.decode_rows}"
+        return f"{name}/{self.weights}" if self.weights else name
 
     def prefill(self) -> AbstractContextManager[object]:
         upcast = self.prefill_fp32 and self.dtype != torch.float32

@@ -55,7 +55,8 @@ class ServedModel:
             model_id=info.model_id, compat_key=info.compat_key, n_layers=info.n_layers, range_start=start,
             range_end=loaded[1] if loaded else 0, decode_tok_s=self.decode_tok_s, pinned=self.pinned is not None,
             layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes, context_length=info.context_length,
-            numerics=info.numerics.name, shard_error=self.error,
+            numerics=info.numerics.name, shard_error=self.error, backend=info.numerics.backend,
+            quantization=info.numerics.weights.removeprefix("gguf-"),
         )
 
     def accept(self, order: rpb.PlacementOrder) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ many take part, so that a session's tokens never depend on the others (:mod:`mes
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMisma
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
 from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, decode_rows
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
-from meshd.runtime.loader import CheckpointIndex, checkpoint_dtype, load_config
+from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import DTYPES, Numerics, default_numerics
 from meshd.runtime.sampling import sample_token
@@ -121,11 +121,11 @@ class Shard:
         self.max_chunk_tokens = max_chunk_tokens
         self.keep_logits = keep_logits
         self.kv = KVManager(budget_bytes=kv_budget_bytes, ttl_s=session_ttl_s, clock=clock)
-        self._load(CheckpointIndex(self.model_dir, manifest))
+        self._load(open_checkpoint(self.model_dir, manifest))
 
     # -- loading ---------------------------------------------------------------------------------
 
-    def _load(self, index: CheckpointIndex) -> None:
+    def _load(self, index: Checkpoint) -> None:
         a, cfg, spec = self.adapter, self.config, self.spec
         dtype, device = spec.dtype, self.device
         self.embed: nn.Module | None = None
@@ -178,6 +178,14 @@ class Shard:
                     seen.add(id(p))
                     total += p.numel() * p.element_size()
         return total
+
+    def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight this shard computes with, by name (what the doctor checks)."""
+        for prefix, module in (("embed", self.embed), ("layers", self.layers), ("norm", self.norm),
+                               ("lm_head", self.lm_head)):
+            if module is not None:
+                for name, p in module.named_parameters():
+                    yield f"{prefix}.{name}", p
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token of a session takes on this shard: keys and values of every owned layer."""

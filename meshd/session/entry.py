@@ -68,9 +68,11 @@ class RouteSource(Protocol):
     """Where an entry's routes come from, and what it learns about peers while using them."""
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
-                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> PlannedRoute:
-        """The best route now without ``exclude``, with as few of ``avoid`` as it can, favouring ``keep``;
-        :class:`~meshd.tracker.routing.NoRouteError` when none covers the model."""
+                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset(),
+                        compat_key: str = "") -> PlannedRoute:
+        """The best route now without ``exclude``, with as few of ``avoid`` as it can, favouring ``keep``,
+        through peers of ``compat_key`` when given; :class:`~meshd.tracker.routing.NoRouteError` when none
+        covers the model."""
         ...
 
     def is_alive(self, peer_id: str) -> bool: ...
@@ -250,9 +252,10 @@ class EntrySessions:
         deadline = trio.current_time() + cfg.request_timeout_s
         generated: list[int] = []  # the reply's token ids so far: a repaired route re-prefills them
         planned: PlannedRoute | None = first
+        numerics_class = first.route.compat_key  # repairs stay with peers that compute alike
         while len(generated) < gen.max_new_tokens:
             if planned is None:
-                planned = await self._plan(gen, policy, len(generated), deadline)
+                planned = await self._plan(gen, policy, len(generated), deadline, numerics_class)
             epoch, resume_from, unchanged = policy.begin(planned.route)
             route = replace(planned.route, epoch=epoch)
             plan = SessionPlan(
@@ -292,13 +295,14 @@ class EntrySessions:
                      route.describe(), len(generated), policy.cause)
             planned = None
 
-    async def _plan(self, gen: Generation, policy: RepairPolicy, generated: int, deadline: float) -> PlannedRoute:
-        """The next route, waiting (with the policy's backoff) while none covers the model."""
+    async def _plan(self, gen: Generation, policy: RepairPolicy, generated: int, deadline: float,
+                    compat_key: str) -> PlannedRoute:
+        """The next route of ``compat_key``, waiting (with the policy's backoff) while none covers the model."""
         while True:
             choice = policy.choice(trio.current_time())
             try:
                 return await self.routes.route_for(gen.model_id, exclude=choice.exclude, keep=choice.keep,
-                                                   avoid=choice.avoid)
+                                                   avoid=choice.avoid, compat_key=compat_key)
             except NoRouteError as exc:
                 wait = policy.on_no_route(gen.model_id, exc.missing, generated, trio.current_time())
             if wait.until >= deadline:

@@ -40,15 +40,16 @@ class RouteClient:
         self.view.mark_unreachable(peer_id)
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
-                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> PlannedRoute:
+                        keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset(),
+                        compat_key: str = "") -> PlannedRoute:
         """A route without ``exclude``, using as few avoided peers as it can (``avoid``, and peers this
         peer found unreachable or gossip suspects), favouring ``keep`` (the peers that hold a session
-        being repaired)."""
+        being repaired), and only through peers of ``compat_key`` when given."""
         avoid = (avoid | self.view.avoided()) - exclude
-        route, source = await self._ask_tracker(model_id, exclude, keep, avoid)
+        route, source = await self._ask_tracker(model_id, exclude, keep, avoid, compat_key)
         if route is None:
             route = plan_route(model_id, self.view.offers(), self.view.rtt_of, epoch=self.duties.next_epoch(),
-                               exclude=exclude, keep=keep, avoid=avoid)
+                               exclude=exclude, keep=keep, avoid=avoid, compat_key=compat_key)
         addresses = {}
         for hop in route.hops:
             address = self.view.address_of(hop.peer_id)
@@ -58,7 +59,7 @@ class RouteClient:
         return PlannedRoute(route, addresses, source)
 
     async def _ask_tracker(self, model_id: str, exclude: frozenset[str], keep: frozenset[str],
-                           avoid: frozenset[str]) -> tuple[Route | None, str]:
+                           avoid: frozenset[str], compat_key: str) -> tuple[Route | None, str]:
         tracker = self.tracker()
         if tracker is None:
             return None, "local"
@@ -68,7 +69,7 @@ class RouteClient:
         if address is None:
             return None, "local"
         request = pb.PeerRequest(route=pb.RouteRequest(model_id=model_id, exclude=sorted(exclude), keep=sorted(keep),
-                                                       avoid=sorted(avoid)))
+                                                       avoid=sorted(avoid), compat_key=compat_key))
         try:
             reply = await call(self.opener, tracker, address, request, timeout=ROUTE_ASK_TIMEOUT_S)
         except RpcFailed as exc:
@@ -79,6 +80,9 @@ class RouteClient:
         if reply.WhichOneof("body") != "route":
             log.info("tracker %s answered a route request with %s; planning locally", tracker[:12],
                      reply.WhichOneof("body"))
+            return None, "local"
+        if compat_key and reply.route.compat_key != compat_key:
+            log.warning("tracker %s answered with a route of another compat key; planning locally", tracker[:12])
             return None, "local"
         try:
             return route_from_reply(reply.route), f"tracker {tracker[:12]}"

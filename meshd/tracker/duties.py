@@ -73,7 +73,7 @@ class TrackerDuties:
         try:
             route = plan_route(request.model_id, offers, rtt_ms, epoch=self.next_epoch(),
                                exclude=frozenset(request.exclude), keep=frozenset(request.keep),
-                               avoid=frozenset(request.avoid))
+                               avoid=frozenset(request.avoid), compat_key=request.compat_key)
         except NoRouteError as exc:
             return no_route_reply(exc)
         return route_to_reply(route)

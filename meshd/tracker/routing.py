@@ -57,6 +57,7 @@ def plan_route(
     exclude: frozenset[str] = frozenset(),
     keep: frozenset[str] = frozenset(),
     avoid: frozenset[str] = frozenset(),
+    compat_key: str = "",
 ) -> Route:
     """The cheapest exact tiling of ``[0, n_layers)`` by the offered ranges, or :class:`NoRouteError`.
 
@@ -64,9 +65,12 @@ def plan_route(
     nothing else covers their layers (suspected, recently unreachable, or on a route that stalled):
     each costs ``AVOID_PENALTY_MS``, so the route with the fewest of them wins. ``keep`` names peers
     that already hold the session being repaired: a route through them can resume instead of
-    recomputing, and their load counts the session itself, so they cost less.
+    recomputing, and their load counts the session itself, so they cost less. ``compat_key``, when
+    given, keeps the route inside one compat key: a session repaired mid-generation stays with peers
+    that compute as the ones before did.
     """
-    usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude]
+    usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude
+              and (not compat_key or o.compat_key == compat_key)]
     span = {o.peer_id: o.range for o in usable if o.range is not None}
     if not usable:
         raise NoRouteError(model_id, [])

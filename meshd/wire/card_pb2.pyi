@@ -33,7 +33,7 @@ class Hardware(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., cpu_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelServed(_message.Message):
-    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error")
+    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error", "backend", "quantization")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class ModelServed(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     SHARD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     n_layers: int
@@ -58,7 +60,9 @@ class ModelServed(_message.Message):
     context_length: int
     numerics: str
     shard_error: str
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ...) -> None: ...
+    backend: str
+    quantization: str
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ..., backend: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("active_sessions", "queued")

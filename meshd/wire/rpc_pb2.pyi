@@ -16,16 +16,18 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model_id", "exclude", "keep", "avoid")
+    __slots__ = ("model_id", "exclude", "keep", "avoid", "compat_key")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     AVOID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     exclude: _containers.RepeatedScalarFieldContainer[str]
     keep: _containers.RepeatedScalarFieldContainer[str]
     avoid: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., keep: _Optional[_Iterable[str]] = ..., avoid: _Optional[_Iterable[str]] = ...) -> None: ...
+    compat_key: str
+    def __init__(self, model_id: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., keep: _Optional[_Iterable[str]] = ..., avoid: _Optional[_Iterable[str]] = ..., compat_key: _Optional[str] = ...) -> None: ...
 
 class RouteHop(_message.Message):
     __slots__ = ("peer_id", "start", "end", "compute_ms", "seam_ms", "hop_ms", "load_factor")
