@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshd-installed
 NATIVE := $(VENV)/.meshd-native
 
-.PHONY: demo test test-fast lint proto bench clean native
+.PHONY: demo test test-fast lint proto bench clean native system-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,14 +21,20 @@ $(NATIVE): $(STAMP) native/build.sh
 
 native: $(NATIVE)
 
+# Tools some tests drive: systemd-analyze (unit files). Installed with Debian's apt-get when missing.
+system-tools:
+	@command -v systemd-analyze >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; } \
+		|| echo "note: systemd-analyze is missing and cannot be installed here; its tests will fail"
+
 demo: $(STAMP)
 	$(BIN)/meshctl demo
 
-# MESHD_REQUIRE_NATIVE: the llama.cpp tests fail rather than skip when llama-cpp-python is missing.
-test: $(NATIVE)
+# MESHD_REQUIRE_*: the llama.cpp and system-tool tests fail rather than skip when what they need is missing.
+test: $(NATIVE) system-tools
 	$(BIN)/ruff check meshd tests relay
 	$(BIN)/mypy
-	MESHD_REQUIRE_NATIVE=1 $(BIN)/python -m pytest
+	MESHD_REQUIRE_NATIVE=1 MESHD_REQUIRE_SYSTEM_TOOLS=1 $(BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow'

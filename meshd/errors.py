@@ -133,6 +133,10 @@ class ModelFormatError(MeshError):
     code = ErrorCode.BAD_MODEL
 
 
+class ListenError(MeshError):
+    """A listener could not be opened (port in use, address not on this machine, no permission)."""
+
+
 class RemoteError(MeshError):
     """A peer answered with an error: its code, its message, and the peer it names as at fault."""
 
@@ -141,3 +145,20 @@ class RemoteError(MeshError):
         self.code = code
         self.message = message
         self.peer_id = peer_id
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: what a one-line report should name."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+def reportable(error: BaseException) -> BaseException | None:
+    """The error to report in one line when everything in ``error`` is an OS or meshd error, else None
+    (a bug, whose traceback must be seen)."""
+    if isinstance(error, BaseExceptionGroup):
+        rest = error.split((OSError, MeshError))[1]
+        return None if rest is not None else first_leaf(error)
+    return error if isinstance(error, (OSError, MeshError)) else None
+

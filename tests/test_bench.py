@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+from meshd.models.gguf_export import write_gguf
+from tests.test_gguf import native
+
 TOP_LEVEL = (
     "model", "prompt_tokens", "new_tokens", "torch_threads", "cpu_count", "meshd_version", "date",
     "baseline_tok_s", "mesh_tok_s", "ratio", "ttft_ms", "seam_ms_p50", "seam_ms_p95", "seam_ms",
@@ -72,3 +75,31 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert set(split) == {"deserialize_ms", "queue_ms", "compute_ms", "serialize_ms", "network_ms", "other_ms"}
     assert "tokens identical to the baseline: yes" in run.stdout
     assert "mesh of 2: concurrency 2" in run.stderr
+
+
+@pytest.mark.slow
+@native
+def test_the_gguf_bench_measures_both_engines_against_llama_cpp(tmp_path, tiny_model):
+    gguf_file = write_gguf(tiny_model, tmp_path / "tiny-q8_0.gguf", "q8_0")
+    out = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl_main", "bench", "--model", str(gguf_file), "--format", "gguf",
+         "--peers", "1,2", "--concurrency", "1", "--prompt-tokens", "16", "--new-tokens", "12", "--runs", "1",
+         "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "MESHD_HOME": str(tmp_path / "home")},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["format"] == "gguf" and report["quantization"] == "q8_0"
+    assert report["file_bytes"] == gguf_file.stat().st_size
+    assert set(report["paths"]) == {"llama.cpp", "torch"}
+    assert report["paths"]["llama.cpp"]["numerics"] == "llama.cpp/cpu/gguf-q8_0"
+    assert report["paths"]["torch"]["numerics"].endswith("/gguf-q8_0")
+    for sub in report["paths"].values():
+        assert set(sub["mesh_tok_s"]) == {"1", "2"} and all(v > 0 for v in sub["mesh_tok_s"].values())
+        assert sub["split_identical"] is True
+        assert [len(sub["peer_rss_mb"][k]) for k in ("1", "2")] == [1, 2]
+    assert report["paths"]["llama.cpp"]["tokens_identical"] is True  # llama.cpp ranges = llama.cpp whole
+    assert 0.5 <= report["top1_agreement"] <= 1.0 and report["top1_agreement_steps"] == 256
+    assert "top-1 agreement" in run.stdout

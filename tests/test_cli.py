@@ -37,3 +37,35 @@ def test_demo_reports_identical(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "identical:" in run.stdout
     assert (tmp_path / "models" / "tiny" / "config.json").is_file()
+
+
+def meshd(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshd.cli.meshd_main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120, check=False)
+
+
+def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path):
+    run = meshd("run", "--listen", "127.0.0.1:99999", cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip() == ("meshd: bad configuration: bad address '127.0.0.1:99999': "
+                                  "port 99999 is outside 0-65535")
+    assert not (tmp_path / "meshd-data").exists(), "nothing may start before the settings are valid"
+
+
+def test_a_port_in_use_is_one_line_naming_the_listener(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag, what in (("--listen", "the peer transport"), ("--api", "the OpenAI API"),
+                           ("--control", "the control API")):
+            addresses = {"--listen": "127.0.0.1:0", "--api": "127.0.0.1:0", "--control": "127.0.0.1:0",
+                         flag: f"127.0.0.1:{port}"}
+            run = meshd("run", *[x for pair in addresses.items() for x in pair], "--data-dir", str(tmp_path / "d"),
+                        cwd=tmp_path)
+            assert run.returncode == 1, run.stderr
+            assert "Traceback" not in run.stderr
+            last = run.stderr.strip().splitlines()[-1]
+            assert last.endswith(f"meshd stopped: cannot listen for {what} on 127.0.0.1:{port}: Address already in use")

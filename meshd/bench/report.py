@@ -226,3 +226,17 @@ def format_summary(report: dict) -> str:
                  f"{'yes' if report['split_identical'] else 'NO'} (dtype {report.get('dtype')}, "
                  f"numerics {report.get('numerics')})")
     return "\n".join(lines)
+
+
+def format_gguf_summary(report: dict) -> str:
+    """The GGUF benchmark: a header, then each engine's table against llama.cpp in one process."""
+    lines = [f"GGUF {report['model']} ({report['quantization']}, {report['file_bytes'] / 2**20:.0f} MiB file); "
+             f"baseline: {report['baseline_engine']}"]
+    for path, sub in report["paths"].items():
+        lines += ["", f"== {path} engine on every peer (numerics {sub['numerics']}) ==", format_summary(sub)]
+    lines += ["", f"top-1 agreement, torch path vs llama.cpp, teacher-forced over {report['top1_agreement_steps']} "
+              f"greedy tokens: {report['top1_agreement']:.3f}",
+              f"every split identical to the fewest-peer mesh, each engine: "
+              f"{'yes' if report['split_identical'] else 'NO'}"]
+    return "\n".join(lines)
+

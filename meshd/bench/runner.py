@@ -55,6 +55,8 @@ class BenchConfig:
     runs: int = 3
     workdir: Path | None = None
     dtype: str = "auto"  # the peers' --dtype; the baseline runs transformers in the same dtype
+    format: str = "safetensors"  # or "gguf": llama.cpp is the baseline, and both engines are measured
+    quant: str = "q8_0"  # the GGUF file's quantization, for a built-in model
 
 
 @dataclass
@@ -89,20 +91,43 @@ def resolve_model(spec: str, say: Say) -> Path:
     return path
 
 
-def run_bench(cfg: BenchConfig, say: Say) -> dict:
-    """Measure everything and return the report object (see :func:`meshd.bench.report.build_report`)."""
+def resolve_gguf(spec: str, quant: str, say: Say) -> Path:
+    """A built-in model as a GGUF file of ``quant`` (written if missing) or an existing GGUF file."""
+    if spec in BUILTIN_MODELS:
+        from meshd.models.gguf_export import create_builtin_gguf
+
+        target = default_model_dir(spec).with_name(f"{spec}-{quant}.gguf")
+        if not target.is_file():
+            say(f"creating built-in model {spec!r} as {quant} GGUF in {target}")
+            create_builtin_gguf(spec, target, quant, say)
+        return target
+    path = Path(spec)
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise BenchError(f"{spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a GGUF file")
+    return path
+
+
+def _prepare(cfg: BenchConfig) -> None:
+    """Check the counts and keep transformers offline and quiet (its bars would interleave with ours)."""
+    if cfg.runs < 1 or cfg.new_tokens < 2 or cfg.prompt_tokens < 1:
+        raise BenchError("--runs and --prompt-tokens must be at least 1, --new-tokens at least 2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-    if cfg.runs < 1 or cfg.new_tokens < 2 or cfg.prompt_tokens < 1:
-        raise BenchError("--runs and --prompt-tokens must be at least 1, --new-tokens at least 2")
+
+def run_bench(cfg: BenchConfig, say: Say) -> dict:
+    """Measure everything and return the report object (see :func:`meshd.bench.report.build_report`)."""
+    if cfg.format == "gguf":
+        return run_gguf_bench(cfg, say)
+    _prepare(cfg)
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
     model_dir = resolve_model(cfg.model, say)
     model_id = model_dir.name
     n_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
@@ -135,7 +160,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         for k in sorted(cfg.peers):
             levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
             mesh = _measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                 measured[0], cfg, workdir / f"peers{k}", levels, say)
+                                 measured[0], cfg, workdir / f"peers{k}", levels, say, ["--dtype", cfg.dtype])
             measured.append(base.measure(cfg.runs))
             mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
             say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
@@ -164,6 +189,82 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     return build_report(meta, baseline, meshes)
 
 
+GGUF_PATHS = (("llama.cpp", ["--backend", "llama.cpp"]), ("torch", ["--backend", "torch"]))
+AGREEMENT_STEPS = 256
+
+
+def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
+    """The GGUF benchmark: llama.cpp on the whole file in this process as the baseline, then meshes
+    of each engine (llama.cpp ranges, torch on dequantized weights) at every peer count, each
+    bracketed by the baseline; then how often the torch path picks llama.cpp's greedy token."""
+    _prepare(cfg)
+    import torch
+    from transformers import AutoTokenizer
+
+    from meshd.bench.llamacpp_baseline import LlamaCppBaseline, top1_agreement
+    from meshd.models.gguf_model import default_cache_root, gguf_model_dir
+    from meshd.runtime.gguf_checkpoint import open_gguf, quantization_of
+    from meshd.runtime.loader import load_config
+
+    gguf_path = resolve_gguf(cfg.model, cfg.quant, say)
+    model_dir = gguf_model_dir(gguf_path, default_cache_root())
+    model_id = gguf_path.stem
+    n_layers = load_config(model_dir).num_hidden_layers
+    if max(cfg.peers) > n_layers:
+        raise BenchError(f"{model_id} has {n_layers} layers; it cannot be split over {max(cfg.peers)} peers")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = build_prompt(tokenizer, cfg.prompt_tokens)
+    threads = torch.get_num_threads()
+    load_start = os.getloadavg()
+    say("wake-up latency of this machine (threads and processes, hot and after idling)")
+    wakeups = measure_wakeups()
+    say(f"baseline: llama.cpp, {gguf_path.name} whole in this process, {threads} threads")
+    base = LlamaCppBaseline(gguf_path, prompt.ids, cfg.new_tokens, threads)
+    measured = [base.measure(cfg.runs)]
+    expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
+    say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+    by_path: dict[str, list[MeshResult]] = {}
+    try:
+        for path, flags in GGUF_PATHS:
+            for k in sorted(cfg.peers):
+                levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+                say(f"{path}: mesh of {k}")
+                mesh = _measure_mesh(gguf_path, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                     measured[0], cfg, workdir / f"{path}-peers{k}", levels, say, flags)
+                measured.append(base.measure(cfg.runs))
+                mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
+                by_path.setdefault(path, []).append(mesh)
+    except Exception:
+        say(f"peer logs kept in {workdir}")
+        raise
+    if cfg.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    reference = base.generate(AGREEMENT_STEPS)
+    base.close()
+    say(f"top-1 agreement: the torch path teacher-forced over llama.cpp's {AGREEMENT_STEPS} greedy tokens")
+    agreement = top1_agreement(model_dir, prompt.ids, reference)
+    baseline = _pooled(measured)
+    meta = {
+        "model": model_id, "model_path": str(gguf_path), "format": "gguf",
+        "quantization": quantization_of(open_gguf(gguf_path)), "file_bytes": gguf_path.stat().st_size,
+        "baseline_engine": "llama.cpp (llama-cpp-python, whole model in the bench process)",
+        "prompt_tokens": len(prompt.ids), "prompt_tokens_requested": cfg.prompt_tokens,
+        "new_tokens": cfg.new_tokens, "runs": cfg.runs, "torch_threads": threads, "cpu_count": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False), "meshd_version": __version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)], "wakeup": wakeups,
+    }
+    from meshd.runtime.loader import checkpoint_dtype
+
+    dtypes = {"llama.cpp": meta["quantization"], "torch": str(checkpoint_dtype(model_dir)).removeprefix("torch.")}
+    paths = {path: build_report({**meta, "dtype": dtypes[path], "numerics": meshes[0].numerics}, baseline, meshes)
+             for path, meshes in by_path.items()}
+    return {**meta, "top1_agreement": round(agreement, 4), "top1_agreement_steps": AGREEMENT_STEPS,
+            "paths": paths, "split_identical": all(r["split_identical"] for r in paths.values())}
+
+
 def _pooled(measured: list[BaselineResult]) -> BaselineResult:
     """Every baseline measurement of the run as one (medians over all their runs)."""
     tok_s = [v for m in measured for v in m.runs_tok_s]
@@ -174,7 +275,7 @@ def _pooled(measured: list[BaselineResult]) -> BaselineResult:
 
 def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
                   expected: str, baseline: BaselineResult, cfg: BenchConfig, workdir: Path,
-                  levels: list[int], say: Say) -> MeshResult:
+                  levels: list[int], say: Say, flags: list[str]) -> MeshResult:
     from openai import OpenAI
 
     threads = str(baseline.torch_threads)
@@ -182,7 +283,7 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
     with LocalMesh(workdir, log_level="warning", env=env) as mesh:
         say(f"mesh of {k}: starting peers with layers {', '.join(f'[{s},{e})' for s, e in ranges)}")
         started = time.monotonic()
-        peers = mesh.start_peers([{"model": model_dir, "layers": r, "extra": ["--dtype", cfg.dtype]} for r in ranges],
+        peers = mesh.start_peers([{"model": model_dir, "layers": r, "extra": flags} for r in ranges],
                                  timeout=PEER_START_TIMEOUT_S)
         mesh.wait_covered(model_id, timeout=COVER_TIMEOUT_S)
         say(f"mesh of {k}: covered after {time.monotonic() - started:.1f}s")
@@ -206,7 +307,7 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
                 f"TTFT {runs[-1].ttft_ms:.1f} ms, {'identical' if matches(runs[-1]) else 'DIFFERENT'}")
         identical = [matches(r) for r in runs]
         hop_stats = [hop.get("/stats") for hop in hops]
-        rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in peers]
+        rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in hops]
         result = MeshResult(k, ranges, runs, [], identical, hop_stats, [h.peer_id for h in hops], rss_mb,
                             numerics=hops[0].get("/status")["numerics"], texts=[r.text for r in runs])
 
@@ -233,7 +334,7 @@ def main_bench(cfg: BenchConfig, out: Path) -> int:
     """The ``meshctl bench`` command: run, write the JSON, print the table; 1 if tokens differ."""
     from openai import APIError
 
-    from meshd.bench.report import format_summary, write_report
+    from meshd.bench.report import format_gguf_summary, format_summary, write_report
 
     def say(message: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -245,11 +346,14 @@ def main_bench(cfg: BenchConfig, out: Path) -> int:
         return 1
     write_report(out, report)
     say(f"wrote {out}")
-    print(format_summary(report))
+    if report.get("format") == "gguf":
+        print(format_gguf_summary(report))
+    else:
+        print(format_summary(report))
     if not report["split_identical"]:
         print("meshctl bench: the meshes' tokens differ from one split to another", file=sys.stderr)
         return 1
-    if not report["tokens_identical"] and report["dtype"] == "float32":
+    if report.get("format") != "gguf" and not report["tokens_identical"] and report["dtype"] == "float32":
         print("meshctl bench: the mesh's tokens differ from the baseline's", file=sys.stderr)
         return 1
     return 0

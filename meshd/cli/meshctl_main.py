@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from meshd.cli.service_cmd import add_service_parser
 from meshd.models.builtin import BUILTIN_MODELS, create_builtin, default_model_dir
 
 
@@ -68,8 +69,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(model=args.model, peers=args.peers, concurrency=args.concurrency,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs,
-                      workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype)
-    out = Path(args.out) if args.out else Path("bench-out") / f"bench-{Path(args.model).name}.json"
+                      workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype, format=args.format,
+                      quant=args.quant)
+    name = Path(args.model).name + (f"-gguf-{args.quant}" if args.format == "gguf" else "")
+    out = Path(args.out) if args.out else Path("bench-out") / f"bench-{name}.json"
     return main_bench(cfg, out)
 
 
@@ -271,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="single-session runs per setup; medians are reported (default 3)")
     bench.add_argument("--out", metavar="FILE", help="JSON report (default: bench-out/bench-MODEL.json)")
     bench.add_argument("--workdir", metavar="DIR", help="keep peer data and logs here (default: a temporary directory)")
+    bench.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                       help="gguf: the model as one GGUF file; llama.cpp on the whole file in one process is the "
+                       "baseline, and meshes of both engines (llama.cpp ranges, torch) are measured")
+    bench.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"], default="q8_0",
+                       help="with --format gguf and a built-in model: the file's quantization (default q8_0)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
                        "the checkpoint's)")
@@ -319,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_cmd_doctor)
 
+    add_service_parser(sub)
     chat = sub.add_parser("chat", help="send one chat message through the local daemon's OpenAI API")
     chat.add_argument("message", help="what to say")
     chat.add_argument("--model", help="model id (default: the first the mesh covers)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from meshd.cli.signals import run_until_signalled
-from meshd.errors import MeshError
+from meshd.errors import reportable
 
 # Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
 # roughly 100 000 per ms), longer than the gaps between a step's regions, short next to a step.
@@ -121,8 +121,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         peer = Peer(config)
         trio.run(run_until_signalled, peer.run, logging.getLogger("meshd"), peer.leave)
-    except (OSError, MeshError) as exc:
-        logging.getLogger("meshd").error("meshd stopped: %s", exc)
+    except BaseException as exc:  # only OS and meshd errors are reported in one line; the rest re-raised
+        error = reportable(exc)
+        if error is None:
+            raise
+        logging.getLogger("meshd").error("meshd stopped: %s", error)
         return 1
     return 0
 

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import trio
@@ -29,7 +30,7 @@ from meshd.daemon.control import build_control_app
 from meshd.daemon.control_plane import ControlPlane
 from meshd.daemon.reachability import Reachability
 from meshd.daemon.status import peer_status
-from meshd.errors import MeshError
+from meshd.errors import ListenError, MeshError, first_leaf
 from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.models.artifacts import ModelFilesCache
@@ -214,7 +215,8 @@ class Peer:
             async with self.transport, trio.open_nursery() as nursery:
                 self._nursery = nursery
                 listen = Address.parse(cfg.listen)
-                port = await nursery.start(self.transport.serve, listen, self.handle_stream)
+                port = await _start_listener(nursery, "the peer transport", listen, self.transport.serve, listen,
+                                             self.handle_stream)
                 self.bound.listen = str(listen.with_port(port))
                 if not cfg.advertise:
                     self.bound.advertise = self.bound.listen
@@ -226,11 +228,12 @@ class Peer:
                     backend = MeshBackend(self.control.view, self.routes, self.entry, self.files,
                                           leaving=lambda: self.leaving)
                     api = Address.parse(cfg.api)
-                    api_port = await nursery.start(serve_asgi, build_app(backend), api, "meshd.api.http")
+                    api_port = await _start_listener(nursery, "the OpenAI API", api, serve_asgi, build_app(backend),
+                                                     api, "meshd.api.http")
                     self.bound.api = str(api.with_port(api_port))
                     control = Address.parse(cfg.control)
-                    control_port = await nursery.start(serve_asgi, build_control_app(self), control,
-                                                       "meshd.control.http")
+                    control_port = await _start_listener(nursery, "the control API", control, serve_asgi,
+                                                         build_control_app(self), control, "meshd.control.http")
                     self.bound.control = str(control.with_port(control_port))
                     self._republish()
                     if self.served is not None and cfg.layers is not None:
@@ -248,3 +251,19 @@ class Peer:
         finally:
             if self.served is not None:
                 self.served.host.close()  # its compute thread, with the OpenMP team it holds
+
+
+async def _start_listener(nursery: trio.Nursery, what: str, address: Address, serve: Any, *args: Any) -> int:
+    """Start a listener task and return its port; a socket error becomes one line naming the listener."""
+    try:
+        return int(await nursery.start(serve, *args))
+    except OSError as exc:
+        raise ListenError(f"cannot listen for {what} on {address}: {exc.strerror or exc}") from None
+    except BaseExceptionGroup as group:
+        found = group.subgroup(OSError)
+        if found is None:
+            raise
+        leaf = first_leaf(found)
+        reason = leaf.strerror if isinstance(leaf, OSError) and leaf.strerror else str(leaf)
+        raise ListenError(f"cannot listen for {what} on {address}: {reason}") from None
+
