@@ -21,11 +21,17 @@ $(NATIVE): $(STAMP) native/build.sh
 
 native: $(NATIVE)
 
-# Tools some tests drive: systemd-analyze (unit files). Installed with Debian's apt-get when missing.
+# Tools some tests drive: systemd-analyze (unit files) and chromium (the status page, headless).
+# Installed with Debian's apt-get when missing and this is root; otherwise those tests say what is missing.
+SYSTEM_TOOLS := systemd-analyze:systemd chromium:chromium
 system-tools:
-	@command -v systemd-analyze >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; } \
-		|| echo "note: systemd-analyze is missing and cannot be installed here; its tests will fail"
+	@missing=""; for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			echo "installing Debian packages:$$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+		else echo "note: missing$$missing and cannot install here; the tests that need them will fail"; fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/meshctl demo

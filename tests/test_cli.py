@@ -47,7 +47,7 @@ def meshd(*args: str, cwd) -> subprocess.CompletedProcess:
 def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path):
     run = meshd("run", "--listen", "127.0.0.1:99999", cwd=tmp_path)
     assert run.returncode == 2
-    assert run.stderr.strip() == ("meshd: bad configuration: bad address '127.0.0.1:99999': "
+    assert run.stderr.strip() == ("meshd: bad configuration: listen: bad address '127.0.0.1:99999': "
                                   "port 99999 is outside 0-65535")
     assert not (tmp_path / "meshd-data").exists(), "nothing may start before the settings are valid"
 
@@ -62,6 +62,7 @@ def test_a_port_in_use_is_one_line_naming_the_listener(tmp_path):
         for flag, what in (("--listen", "the peer transport"), ("--api", "the OpenAI API"),
                            ("--control", "the control API")):
             addresses = {"--listen": "127.0.0.1:0", "--api": "127.0.0.1:0", "--control": "127.0.0.1:0",
+                         "--metrics": "127.0.0.1:0",
                          flag: f"127.0.0.1:{port}"}
             run = meshd("run", *[x for pair in addresses.items() for x in pair], "--data-dir", str(tmp_path / "d"),
                         cwd=tmp_path)
@@ -69,3 +70,61 @@ def test_a_port_in_use_is_one_line_naming_the_listener(tmp_path):
             assert "Traceback" not in run.stderr
             last = run.stderr.strip().splitlines()[-1]
             assert last.endswith(f"meshd stopped: cannot listen for {what} on 127.0.0.1:{port}: Address already in use")
+
+
+def test_every_daemon_command_fails_in_one_line_when_the_daemon_is_down(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago and has no listener now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for argv in (["peers"], ["status"], ["models"], ["route", "tiny"], ["sessions"], ["logs"], ["chat", "hi"],
+                 ["peers", "--json"]):
+        run = meshctl(*argv, "--control", f"127.0.0.1:{port}", "--timeout", "5")
+        assert run.returncode == 1, (argv, run.stderr)
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"meshctl: cannot reach the daemon's control API at "
+                                                       f"127.0.0.1:{port}"), (argv, run.stderr)
+        assert run.stdout == ""
+
+
+def test_json_logs_are_one_object_per_line_naming_the_peer(tmp_path):
+    import json
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = meshd("run", "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--api", "127.0.0.1:0",
+                    "--control", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--log-format", "json",
+                    "--data-dir", str(tmp_path / "d"), cwd=tmp_path)
+    assert run.returncode == 1
+    docs = [json.loads(line) for line in run.stderr.strip().splitlines()]
+    assert docs[-1]["level"] == "error" and "cannot listen for the peer transport" in docs[-1]["msg"]
+    assert len(docs[-1]["peer"]) > 20 and {"ts", "logger"} <= set(docs[-1])
+
+
+def test_every_command_and_option_says_what_it_does():
+    import argparse
+
+    from meshd_relay.cli import build_parser as relay_parser
+
+    from meshd.cli.meshctl_main import build_parser as meshctl_parser
+    from meshd.cli.meshd_main import build_parser as meshd_parser
+
+    silent = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {a.dest for a in action._choices_actions if a.help}
+                for name, sub in action.choices.items():
+                    if name not in helped:
+                        silent.append(f"{path} {name}")
+                    walk(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                silent.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    for parser, name in ((meshd_parser(), "meshd"), (meshctl_parser(), "meshctl"), (relay_parser(), "meshd-relay")):
+        walk(parser, name)
+    assert silent == [], f"no --help text for: {', '.join(silent)}"

@@ -276,3 +276,149 @@ def test_compressed_prefill_bundles_give_the_same_tokens(tiny_model, tmp_path):
         stats = head.get("/stats")
         assert stats["compressed_bundles"] >= 1 and stats["compression_saved_bytes"] > 0
         assert tail.get("/stats")["compressed_bundles"] == 0  # the tail sends tokens only
+
+
+def scrape(peer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(timeout=10) as http:
+        reply = http.get(f"http://{peer.status['metrics']}/metrics")
+    assert reply.status_code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def test_the_metrics_endpoint_moves_during_a_generation(mesh):
+    entry = mesh.peers[0]
+    assert entry.status["metrics"].startswith("127.0.0.1:"), "metrics bind loopback unless configured"
+    before = [scrape(p) for p in mesh.peers[:3]]
+    assert total(before[0], "meshd_live_cards") >= 3 and total(before[0], "meshd_kv_budget_bytes") > 0
+    assert total(before[0], "meshd_election_term") >= 1
+    assert sum(total(b, "meshd_is_tracker") for b in before) == 1
+    during = None
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                  max_tokens=N_TOKENS, extra_body={"ignore_eos": True}, stream=True)
+    for index, _chunk in enumerate(client(entry).chat.completions.create(**kwargs)):
+        if index == 8:
+            during = scrape(entry)
+    after = [scrape(p) for p in mesh.peers[:3]]
+    assert during is not None
+    assert total(during, "meshd_entry_sessions") == 1, "the running generation is visible while it runs"
+    assert total(before[0], "meshd_tokens_generated_total", model="tiny") < \
+        total(during, "meshd_tokens_generated_total", model="tiny") < \
+        total(after[0], "meshd_tokens_generated_total", model="tiny")
+    assert total(after[0], "meshd_tokens_generated_total", model="tiny") - \
+        total(before[0], "meshd_tokens_generated_total", model="tiny") == N_TOKENS
+    assert total(after[0], "meshd_requests_total", model="tiny", outcome="finished") == \
+        total(before[0], "meshd_requests_total", model="tiny", outcome="finished") + 1
+    assert total(after[0], "meshd_time_to_first_token_seconds_count", model="tiny") == \
+        total(before[0], "meshd_time_to_first_token_seconds_count", model="tiny") + 1
+    seams = [total(a, "meshd_seam_latency_seconds_count") - total(b, "meshd_seam_latency_seconds_count")
+             for a, b in zip(after, before, strict=True)]
+    assert sum(seams) >= 3 * (N_TOKENS - 1), seams  # every decode step crosses every hop's seam
+    batches = [total(a, "meshd_decode_batches_total") - total(b, "meshd_decode_batches_total")
+               for a, b in zip(after, before, strict=True)]
+    assert all(n >= N_TOKENS - 1 for n in batches), batches
+    assert total(after[0], "meshd_gossip_messages_total", direction="sent") > \
+        total(before[0], "meshd_gossip_messages_total", direction="sent")
+    assert total(after[0], "meshd_entry_sessions") == 0
+
+
+def _schema(name: str) -> dict:
+    return json.loads((Path(__file__).parents[1] / "meshd" / "cli" / "schemas" / f"{name}.json").read_text())
+
+
+def test_every_meshctl_command_answers_and_its_json_matches_its_schema(mesh):
+    import jsonschema
+
+    entry = mesh.peers[0]
+    commands = {"peers": ["peers"], "status": ["status"], "models": ["models"], "route": ["route", "tiny"],
+                "sessions": ["sessions"], "logs": ["logs", "-n", "50"]}
+    for name, argv in commands.items():
+        human = meshctl(entry, *argv)
+        assert human.returncode == 0, (name, human.stderr)
+        run = meshctl(entry, *argv, "--json")
+        assert run.returncode == 0, (name, run.stderr)
+        jsonschema.validate(json.loads(run.stdout), _schema(name))
+    models = json.loads(meshctl(entry, "models", "--json").stdout)
+    tiny = next(m for m in models if m["model"] == "tiny")
+    assert tiny["covered"] and tiny["missing"] == []
+    held = sorted((h["start"], h["end"]) for h in tiny["holders"] if h["start"] is not None)
+    assert held[0][0] == 0 and held[-1][1] == tiny["n_layers"]
+    assert "layers 0..4: [" in meshctl(entry, "models").stdout
+
+    # a generation in flight shows on the entry and on every hop of its route; once the client goes
+    # away it is gone everywhere, and each peer's records of it can be followed by its id
+    seen: dict[str, list] = {}
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"http://{entry.api}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "stream": True,
+                  "max_tokens": 1500, "temperature": 0, "ignore_eos": True}) as reply:
+        request_id = reply.headers["x-request-id"]
+        for index, _line in enumerate(reply.iter_lines()):
+            if index == 6:  # 1500 tokens take seconds; these questions, milliseconds each
+                for peer in mesh.peers[:3]:
+                    seen[peer.peer_id] = json.loads(meshctl(peer, "sessions", "--json").stdout)
+                break
+    mine = [s for s in seen[entry.peer_id] if s["session_id"] == request_id]
+    assert any(s["role"] == "entry" and s["model"] == "tiny" and s["hops"] >= 1 for s in mine), seen
+    route = next(s["route"] for s in mine if s["role"] == "entry")
+    for peer_id in route:
+        roles = [s["role"] for s in seen[peer_id] if s["session_id"] == request_id]
+        assert any(r.startswith("hop ") for r in roles), (peer_id, seen[peer_id])
+        jsonschema.validate(seen[peer_id], _schema("sessions"))
+
+    def ended_everywhere() -> bool:
+        return all(request_id not in meshctl(p, "sessions", "--json").stdout for p in mesh.peers[:3])
+
+    mesh.wait_until(ended_everywhere, timeout=60, what="the cancelled session to end on every peer")
+    for peer in mesh.peers[:3]:
+        if peer.peer_id in route:
+            records = json.loads(meshctl(peer, "logs", "--session", request_id, "--json").stdout)
+            assert records and all(r["session"] == request_id for r in records), records
+            assert any("closed on this hop" in r["message"] for r in records), records
+
+
+def test_the_status_page_shows_the_mesh_in_a_real_browser(mesh):
+    """Headless Chromium loads a peer's status page and runs its script against the live mesh; the
+    rendered page is read back (the DOM) and kept as a screenshot in test-artifacts/."""
+    import os
+    import re
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("MESHD_REQUIRE_SYSTEM_TOOLS") == "1":
+            pytest.fail("chromium is missing; `make test` installs Debian's chromium package")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    page = f"http://{mesh.peers[0].control}/"
+    html = httpx.get(page, timeout=10)
+    assert html.status_code == 200 and "text/html" in html.headers["content-type"]
+    artifacts = Path(__file__).parents[1] / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    profile = artifacts / "chromium-profile"
+    common = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--no-first-run", f"--user-data-dir={profile}", "--window-size=1280,1100",
+              "--virtual-time-budget=6000"]
+    dom = subprocess.run([*common, "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    rows = re.findall(r'<tr data-peer="([a-z0-9]+)"', dom.stdout)
+    peers = {p.peer_id for p in mesh.peers}
+    assert len(rows) >= 3 and set(rows) == peers, (rows, dom.stdout[-3000:])
+    start = dom.stdout.find('<div class="model" data-model="tiny">')
+    assert start >= 0, dom.stdout[-3000:]
+    tiny = dom.stdout[start:dom.stdout.index("<h2>Live sessions", start)]
+    assert '<span class="ok">covered</span>' in tiny, tiny
+    spans = re.findall(r'class="held"[^>]*style="left: ([0-9.]+)%; width: ([0-9.]+)%;', tiny)
+    assert len(spans) == 3 and abs(sum(float(w) for _, w in spans) - 100) < 0.01, spans
+    assert '<div id="error"></div>' in dom.stdout, "the page could read every endpoint"
+    shot = artifacts / "status-page.png"
+    shot.unlink(missing_ok=True)
+    taken = subprocess.run([*common, f"--screenshot={shot}", page], capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
+    shutil.rmtree(profile, ignore_errors=True)

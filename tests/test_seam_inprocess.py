@@ -150,6 +150,11 @@ async def test_a_refusing_hop_is_routed_around(tiny_model, reference, autojump_c
         assert await mesh.generate(PROMPT, N) == reference["greedy"]
         assert full.service.stats.seam_errors == 1
         assert mesh.routes.unreachable == []  # a refusal is not unreachability
+        # counted where an operator looks: the hop's refusals by code, the entry's repairs by cause
+        assert full.service.metrics.value("meshd_session_refusals_total", code="overloaded") == 1
+        assert mesh.entry.metrics.value("meshd_repairs_total", cause="overloaded") == 1
+        assert [e["kind"] for e in full.service.metrics.events] == ["refusal"]
+        assert [e["kind"] for e in mesh.entry.metrics.events] == ["route failed"]
 
 
 async def test_refusal_everywhere_is_overloaded_not_a_hang(tiny_model, autojump_clock):

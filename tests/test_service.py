@@ -199,7 +199,11 @@ def test_a_user_install_without_a_user_manager_fails_in_one_line(
     assert err.strip().splitlines()[-1].startswith("meshctl: `systemctl --user daemon-reload` failed")
     unit = tmp_path / "config" / "systemd" / "user" / "meshd.service"
     assert unit.read_text() == Installation.here("meshd", "user", "linux").render()
-    assert (tmp_path / "config" / "meshd" / "meshd.toml").read_text().startswith("# meshd settings")
+    written = tmp_path / "config" / "meshd" / "meshd.toml"
+    assert written.read_text().startswith("# meshd settings")
+    from meshd.daemon.config import PeerConfig, load_config
+
+    assert load_config(written) == PeerConfig(), "the settings a fresh install writes are the defaults"
     assert (tmp_path / "data" / "meshd" / "data").is_dir()
 
 

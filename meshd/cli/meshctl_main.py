@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
+from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
 from meshd.cli.service_cmd import add_service_parser
-from meshd.models.builtin import BUILTIN_MODELS, create_builtin, default_model_dir
+from meshd.models import BUILTIN_NAMES
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:
     from meshd.errors import MeshError
+    from meshd.models.builtin import create_builtin, default_model_dir
 
     def say(message: str) -> None:
         print(f"  {message}", file=sys.stderr)
@@ -82,113 +79,6 @@ def _cmd_bench_relay(args: argparse.Namespace) -> int:
     return main_bench_relay(args)
 
 
-DEFAULT_CONTROL = "127.0.0.1:7701"
-
-
-class ControlError(Exception):
-    pass
-
-
-def control_get(args: argparse.Namespace, path: str) -> dict:
-    url = f"http://{args.control}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read()).get("error", "")
-        except ValueError:
-            detail = ""
-        raise ControlError(f"{url}: HTTP {exc.code} {detail}".strip()) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ControlError(f"cannot reach the daemon's control API at {args.control}: {exc}. "
-                           "Is meshd running? (set --control or MESHD_CONTROL)") from None
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
-
-
-def _reach(peer: dict) -> str:
-    """``direct``, or ``relay HOST:PORT`` for a peer reached only through a relay."""
-    via = peer.get("relayed_via") or []
-    if via:
-        return "relay " + ",".join(v.removeprefix("relay:") for v in via)
-    return "direct" if peer.get("addresses") else "-"
-
-
-def _cmd_peers(args: argparse.Namespace) -> int:
-    peers = control_get(args, "/peers")["peers"]
-    if args.json:
-        print(json.dumps(peers, indent=2))
-        return 0
-    rows = []
-    for p in peers:
-        models = ", ".join(f"{m['model_id']}[{m['start']},{m['end']})" if m.get("end") else f"{m['model_id']}[-]"
-                           for m in p["models"]) or "-"
-        rows.append([
-            p["peer_id"][:12] + ("*" if p.get("self") else ""), p.get("name") or "-",
-            ",".join(p.get("addresses") or []) or "-", _reach(p), "tracker" if p.get("tracker") else "peer",
-            p.get("state", "-"), models, f"{p.get('active_sessions', 0)}/{p.get('queued', 0)}",
-            "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
-            _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
-        ])
-    print(_table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
-                        "LAST SEEN", "CARD AGE"]))
-    return 0
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    status = control_get(args, "/status")
-    if args.json:
-        print(json.dumps(status, indent=2))
-        return 0
-    for key, value in status.items():
-        print(f"{key:>18}: {json.dumps(value) if isinstance(value, dict | list) else value}")
-    return 0
-
-
-def _cmd_route(args: argparse.Namespace) -> int:
-    route = control_get(args, f"/route?model={urllib.parse.quote(args.model)}")
-    if args.json:
-        print(json.dumps(route, indent=2))
-        return 0
-    print(f"model {route['model']} (compat {route['compat_key']}), epoch {route['epoch']}, "
-          f"planned by {route['planned_by']}, estimated {route['cost_ms']:.2f} ms/token")
-    rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['seam_ms']:.3f}",
-             f"{h['hop_ms']:.3f}", f"{h['load_factor']:.2f}"] for h in route["hops"]]
-    print(_table(rows, ["PEER", "LAYERS", "COMPUTE MS", "SEAM MS", "HOP MS", "LOAD"]))
-    return 0
-
-
-def _cmd_chat(args: argparse.Namespace) -> int:
-    from openai import OpenAI
-
-    status = control_get(args, "/status")
-    api = status["api"]
-    client = OpenAI(base_url=f"http://{api}/v1", api_key="meshd", timeout=args.timeout)
-    model = args.model or (status.get("models_covered") or [None])[0]
-    if model is None:
-        print("meshctl: the mesh covers no model completely yet", file=sys.stderr)
-        return 1
-    started = time.monotonic()
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.message}],
-                                            stream=True, max_tokens=args.max_tokens, temperature=args.temperature)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print(f"\n[{model} via {api}, {time.monotonic() - started:.2f}s]", file=sys.stderr)
-    return 0
-
-
 def _cmd_doctor(args: argparse.Namespace) -> int:
     """Check a model directory's range as a peer would before serving it (no daemon needed)."""
     from meshd.daemon.config import parse_range
@@ -222,12 +112,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _add_control(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--control", default=os.environ.get("MESHD_CONTROL", DEFAULT_CONTROL), metavar="HOST:PORT",
-                   help=f"the local daemon's control API (default {DEFAULT_CONTROL}, or $MESHD_CONTROL)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshctl",
@@ -243,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a built-in model as a Hugging Face directory (safetensors, float32) or as one GGUF "
         "file, from the same weights. The same name and options always give byte-identical files.",
     )
-    create.add_argument("name", choices=sorted(BUILTIN_MODELS), help="which built-in model")
+    create.add_argument("name", choices=BUILTIN_NAMES, help="which built-in model")
     create.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                         help="a Hugging Face directory (default) or a GGUF file as llama.cpp lays one out")
     create.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"], default="f32",
@@ -290,26 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "decode-step and prefill-chunk round trips over each link in the same run. --decode also measures "
         "decode tok/s of a model on two peers, tail direct vs relayed.",
     )
-    from meshd.bench.relay import add_arguments as _bench_relay_arguments
+    from meshd.bench.relay_cli import add_arguments as _bench_relay_arguments
 
     _bench_relay_arguments(bench_relay)
     bench_relay.set_defaults(func=_cmd_bench_relay)
 
-    peers = sub.add_parser("peers", help="list the peers this daemon knows, with role, ranges, load and RTT")
-    _add_control(peers)
-    peers.add_argument("--json", action="store_true", help="machine-readable output")
-    peers.set_defaults(func=_cmd_peers)
-
-    status = sub.add_parser("status", help="this daemon's identity, tracker, model and load")
-    _add_control(status)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.set_defaults(func=_cmd_status)
-
-    route = sub.add_parser("route", help="the route the tracker would pick for a model, with its cost terms")
-    route.add_argument("model", help="model id, as listed by /v1/models")
-    _add_control(route)
-    route.add_argument("--json", action="store_true", help="machine-readable output")
-    route.set_defaults(func=_cmd_route)
+    add_mesh_parsers(sub)
 
     doctor = sub.add_parser(
         "doctor", help="check a model directory's layers as a peer would before serving them",
@@ -328,13 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_cmd_doctor)
 
     add_service_parser(sub)
-    chat = sub.add_parser("chat", help="send one chat message through the local daemon's OpenAI API")
-    chat.add_argument("message", help="what to say")
-    chat.add_argument("--model", help="model id (default: the first the mesh covers)")
-    chat.add_argument("--max-tokens", type=int, default=64)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    _add_control(chat)
-    chat.set_defaults(func=_cmd_chat)
     return parser
 
 
@@ -342,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
-    except ControlError as exc:
+    except ControlError as exc:  # the daemon is down or refused: one line
         print(f"meshctl: {exc}", file=sys.stderr)
         code = 1
     sys.exit(code)

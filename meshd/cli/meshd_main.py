@@ -12,6 +12,8 @@ import trio
 
 from meshd.cli.signals import run_until_signalled
 from meshd.errors import reportable
+from meshd.logs import FORMATS as LOG_FORMATS
+from meshd.logs import RecentRecords, configure_logging
 
 # Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
 # roughly 100 000 per ms), longer than the gaps between a step's regions, short next to a step.
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--advertise", metavar="HOST:PORT", help="address other peers dial (default: --listen)")
     run.add_argument("--api", metavar="HOST:PORT", help="OpenAI API listener (default 127.0.0.1:8000)")
     run.add_argument("--control", metavar="HOST:PORT", help="meshctl control API (default 127.0.0.1:7701)")
+    run.add_argument("--metrics", metavar="HOST:PORT",
+                     help="Prometheus /metrics listener (default 127.0.0.1:7702; '' turns it off)")
     run.add_argument("--bootstrap", action="append", metavar="HOST:PORT",
                      help="a peer to join through (repeatable)")
     run.add_argument("--relay", dest="relays", action="append", metavar="HOST:PORT",
@@ -80,11 +84,57 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default); off: never; always: every bundle of 64 KiB or more")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
-    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                     help="least severe records logged (default info)")
+    run.add_argument("--log-format", choices=list(LOG_FORMATS),
+                     help="text (default): lines for people; json: one object per line with the peer, session and "
+                     "route ids, for log collectors")
     run.add_argument("--ready-file", metavar="FILE",
                      help="write this peer's status as JSON here once it listens (for scripts and tests)")
     run.set_defaults(func=_cmd_run)
+
+    init = sub.add_parser(
+        "init", help="create this peer's identity and a settings file listing every setting",
+        description="Create the identity key in the data directory (kept if it exists) and write a TOML "
+        "settings file with every setting, its meaning and its default, commented out; then start the peer "
+        "with `meshd run --config FILE`. docs/configuration.md lists the same settings.")
+    init.add_argument("--config", type=Path, default=Path("meshd.toml"), metavar="FILE",
+                      help="settings file to write (default ./meshd.toml)")
+    init.add_argument("--data-dir", type=Path, default=Path("meshd-data"), metavar="DIR",
+                      help="identity and state (default ./meshd-data); written into the settings file")
+    init.add_argument("--force", action="store_true", help="replace an existing settings file")
+    init.set_defaults(func=_cmd_init)
     return parser
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from meshd.daemon.config import PeerConfig
+    from meshd.files import write_atomically
+    from meshd.identity import Identity
+    from meshd.settings import commented_toml
+
+    config = Path(args.config)
+    if config.exists() and not args.force:
+        print(f"meshd: {config} exists; --force replaces it", file=sys.stderr)
+        return 1
+    data_dir = args.data_dir.absolute()
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        identity = Identity.load_or_create(data_dir)
+        config.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(config, commented_toml(PeerConfig, INIT_HEADER, {"data_dir": str(data_dir)}))
+    except OSError as exc:
+        print(f"meshd: {exc}", file=sys.stderr)
+        return 1
+    print(f"peer id {identity.peer_id}; identity in {data_dir}; settings in {config}")
+    print(f"next: edit {config} (at least `model`, and `bootstrap` to join a mesh), then "
+          f"`meshd run --config {config}`")
+    return 0
+
+
+INIT_HEADER = """meshd settings (TOML), written by `meshd init`. Every setting is listed with its meaning and
+default, commented out: uncomment what you change. MESHD_<NAME> environment variables and
+`meshd run` flags override this file; docs/configuration.md has the same list."""
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -100,11 +150,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     overrides = {
         "data_dir": args.data_dir, "name": args.name, "listen": args.listen, "advertise": args.advertise,
-        "api": args.api, "control": args.control, "bootstrap": args.bootstrap, "model": args.model,
-        "relays": args.relays, "reachability": args.reachability,
+        "api": args.api, "control": args.control, "metrics": args.metrics, "bootstrap": args.bootstrap,
+        "model": args.model, "relays": args.relays, "reachability": args.reachability,
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
-        "log_level": args.log_level, "ready_file": args.ready_file, "torch_threads": args.torch_threads,
+        "log_level": args.log_level, "log_format": args.log_format, "ready_file": args.ready_file,
+        "torch_threads": args.torch_threads,
         "compression": args.compression, "dtype": args.dtype, "device": args.device, "backend": args.backend,
     }
     try:
@@ -112,14 +163,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"meshd: bad configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    recent = RecentRecords()
+    context = configure_logging(config.log_level, config.log_format, recent=recent,
+                                quiet=("hpack", "h2", "httpx", "httpx2", "filelock"))
     logging.getLogger("meshd").info("compute uses %d torch threads", apply_torch_threads(config.torch_threads))
-    for noisy in ("hpack", "h2", "httpx", "httpx2", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
     try:
-        peer = Peer(config)
+        peer = Peer(config, recent_logs=recent)
+        context.peer = peer.peer_id
         trio.run(run_until_signalled, peer.run, logging.getLogger("meshd"), peer.leave)
     except BaseException as exc:  # only OS and meshd errors are reported in one line; the rest re-raised
         error = reportable(exc)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, Callable
 
 from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelInfo, Started, TokenEvent, TokenLogprob
-from meshd.api.errors import BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
+from meshd.api.errors import ApiError, BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
 from meshd.models.artifacts import ModelFilesCache, ModelFilesUnavailable
 from meshd.models.text import TextCodec, ToolCall
 from meshd.session.attempt import GeneratedToken
@@ -54,6 +55,31 @@ class MeshBackend:
         return out
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
+        """The events of one generation, counted in the entry's metrics (outcome, tokens, first token)."""
+        metrics = self.entry.metrics
+        model = req.model if req.model in self.view.known_models() else "unknown"  # clients choose the text
+        started = time.monotonic()
+        outcome = "cancelled"
+        first = True
+        events = self._generate(req)
+        try:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    if first:
+                        metrics.ttft.labels(model).observe(time.monotonic() - started)
+                        first = False
+                    metrics.tokens.labels(model).inc()
+                elif isinstance(event, Finished):
+                    outcome = "finished"  # the API may close this generator once it has the last event
+                yield event
+        except ApiError as exc:
+            outcome = str(exc.code)
+            raise
+        finally:
+            metrics.requests.labels(model, outcome).inc()
+            await events.aclose()
+
+    async def _generate(self, req: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
         if self.leaving():
             raise Overloaded("this peer is leaving the mesh; ask another peer", retry_after=1.0)
         if req.model not in self.view.known_models():

@@ -6,12 +6,12 @@ need. The object is built once at start-up and passed down; nothing reads settin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
-from meshd.settings import layered_settings, parse_size
+from meshd.settings import layered_settings, parse_size, setting, setting_list
 
 
 def parse_range(text: str | None) -> tuple[int, int] | None:
@@ -30,47 +30,67 @@ def parse_range(text: str | None) -> tuple[int, int] | None:
 
 @dataclass
 class PeerConfig:
-    data_dir: Path = Path("meshd-data")
-    name: str = ""
-    listen: str = "127.0.0.1:7700"          # transport (HTTP/2 + TLS) listener
-    advertise: str = ""                     # address others dial; defaults to `listen`
-    api: str = "127.0.0.1:8000"             # OpenAI API
-    control: str = "127.0.0.1:7701"         # meshctl control API (loopback only unless told)
-    bootstrap: list[str] = field(default_factory=list)
-    model: Path | None = None               # model this peer can serve: a Hugging Face directory or a GGUF file
-    model_id: str = ""                      # name clients use; defaults to the directory (or file) name
-    backend: str = "auto"                   # what computes the layers: auto (llama.cpp for GGUF when
-                                            # installed, else torch), torch or llama.cpp
-    layers: tuple[int, int] | None = None   # pinned range; otherwise the tracker places one
-    dtype: str = "auto"                     # weights, activations, seam: auto (the checkpoint's), float32,
-                                            # bfloat16 or float16
-    device: str = "auto"                    # auto (cuda:0, else mps, else cpu), cpu, cuda[:N] or mps
-    memory_budget: int = 8 * 1024**3        # bytes of weights this peer may load
-    kv_budget: int = 1024**3                # bytes of KV state across sessions
-    chunk_tokens: int = 512                 # prefill chunk size (tokens per bundle; see docs/benchmarks.md)
-    torch_threads: int = 0                  # compute threads (torch intra-op); 0: every CPU we may use
-    compression: str = "auto"               # large prefill bundles: "auto" (where measured to pay), "off", "always"
-    tracker_eligible: bool = True
-    probe_interval_s: float = 0.5
-    probe_timeout_s: float = 0.4
-    suspect_timeout_s: float = 2.0
-    pushpull_interval_s: float = 0.5
-    lease_duration_s: float = 3.0
-    card_ttl_s: float = 30.0
-    step_timeout_s: float = 30.0            # a hop that sends nothing for this long has failed
-    request_timeout_s: float = 600.0        # a whole request's deadline
-    repair_attempts: int = 5                # routes tried for one generation before giving up
-    repair_budget_s: float = 60.0           # time spent repairing one generation before giving up
-    max_sessions: int = 64                  # sessions this peer's shard admits at once
-    max_queue: int = 32                     # steps waiting for compute before new sessions are refused
-    batch_hold: float = 1.0                 # hold a decode batch for sessions due within this many
-                                            # one-session steps (0: never); see meshd/runtime/batching.py
-    drain_timeout_s: float = 30.0           # on SIGTERM: how long running sessions may take to finish
-    relays: list[str] = field(default_factory=list)  # meshd-relay servers ("host:port") to register with
-    reachability: str = "auto"              # "auto" (dial-back test), "direct" or "relayed"
-    reachability_interval_s: float = 30.0   # how often "auto" re-checks that others can dial us
-    log_level: str = "info"
-    ready_file: Path | None = None          # written (JSON status) once every listener is up
+    """Every setting of a peer, with what it means: ``meshd init`` writes them all into a commented
+    TOML file and docs/configuration.md lists them, both generated from these fields."""
+
+    data_dir: Path = setting(Path("meshd-data"), "identity key and state of this peer")
+    name: str = setting("", "a label for this peer in meshctl peers (default: the start of its peer id)")
+    listen: str = setting("127.0.0.1:7700", "peer transport listener (HTTP/2 over TLS); other peers dial this")
+    advertise: str = setting("", "the address other peers should dial, when it differs from listen")
+    api: str = setting("127.0.0.1:8000", "OpenAI API listener")
+    control: str = setting("127.0.0.1:7701", "meshctl's control API listener; keep it on loopback")
+    metrics: str = setting("127.0.0.1:7702", "Prometheus /metrics listener (loopback unless told); \"\" turns it off")
+    bootstrap: list[str] = setting_list("peers to join through (HOST:PORT each)")
+    model: Path | None = setting(None, "the model this peer can serve: a Hugging Face directory or a GGUF file")
+    model_id: str = setting("", "the model's name in the API (default: the directory's name, or the GGUF file's)")
+    backend: str = setting("auto", "what computes the layers: auto (llama.cpp for a GGUF file when installed, else "
+                           "torch), torch or llama.cpp")
+    layers: tuple[int, int] | None = setting(None, "pin this half-open layer range (\"START:END\") instead of "
+                                             "letting the tracker place one")
+    dtype: str = setting("auto", "dtype of weights, activations and the seam: auto (the checkpoint's), float32, "
+                         "bfloat16 or float16")
+    device: str = setting("auto", "auto (cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
+    memory_budget: int = setting(8 * 1024**3, "bytes of weights this peer may load (e.g. \"6GiB\")")
+    kv_budget: int = setting(1024**3, "bytes of KV state across sessions (e.g. \"1GiB\")")
+    chunk_tokens: int = setting(512, "prefill chunk size in tokens (see docs/benchmarks.md)")
+    torch_threads: int = setting(0, "threads for model compute; 0: every CPU this process may use")
+    compression: str = setting("auto", "zstd for large prefill bundles: auto (per link, where measured to pay), "
+                               "off or always")
+    tracker_eligible: bool = setting(True, "whether this peer may take the tracker role")
+    probe_interval_s: float = setting(0.5, "seconds between gossip probes of a random peer")
+    probe_timeout_s: float = setting(0.4, "seconds a probe waits for its answer")
+    suspect_timeout_s: float = setting(2.0, "seconds a suspected peer has to refute before it is declared dead")
+    pushpull_interval_s: float = setting(0.5, "seconds between full card exchanges with a random peer")
+    lease_duration_s: float = setting(3.0, "seconds a tracker lease lasts unless renewed")
+    card_ttl_s: float = setting(30.0, "seconds a capability card lives unless its peer re-issues it")
+    step_timeout_s: float = setting(30.0, "a hop that sends nothing for this many seconds has failed")
+    request_timeout_s: float = setting(600.0, "a whole request's deadline in seconds")
+    repair_attempts: int = setting(5, "routes tried for one generation before giving up")
+    repair_budget_s: float = setting(60.0, "seconds spent repairing one generation before giving up")
+    max_sessions: int = setting(64, "sessions this peer's shard admits at once")
+    max_queue: int = setting(32, "steps waiting for compute before new sessions are refused")
+    batch_hold: float = setting(1.0, "hold a decode batch for sessions due within this many one-session steps "
+                                "(0: never)")
+    drain_timeout_s: float = setting(30.0, "on SIGTERM: seconds running sessions may take to finish")
+    relays: list[str] = setting_list("meshd-relays (HOST:PORT each) to register with when not directly dialable")
+    reachability: str = setting("auto", "auto (let other peers test whether we can be dialled), direct (always "
+                                "advertise the direct address) or relayed (only relay addresses)")
+    reachability_interval_s: float = setting(30.0, "seconds between auto's re-checks that others can dial us")
+    log_level: str = setting("info", "debug, info, warning or error")
+    log_format: str = setting("text", "text (lines for people) or json (one object per line with the peer, "
+                              "session and route ids)")
+    ready_file: Path | None = setting(None, "write this peer's status as JSON here once it listens (for scripts)")
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} cannot be negative ({getattr(self, name)})")
+        for f in fields(self):
+            if f.name.endswith("_s") and getattr(self, f.name) <= 0:
+                raise ValueError(f"{f.name} must be a positive number of seconds, not {getattr(self, f.name)}")
 
     @property
     def advertised(self) -> str:
@@ -93,7 +113,7 @@ def _device(value: str) -> str:
 
 
 _CONVERTERS: dict[str, Any] = {
-    "listen": _address, "advertise": _address, "api": _address, "control": _address,
+    "listen": _address, "advertise": _address, "api": _address, "control": _address, "metrics": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
     "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": _addresses,
@@ -102,6 +122,8 @@ _CONVERTERS: dict[str, Any] = {
     "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
     "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
+    "log_level": lambda v: _choice(v, ("debug", "info", "warning", "error")),
+    "log_format": lambda v: _choice(v, ("text", "json")),
 }
 
 

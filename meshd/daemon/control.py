@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
-from meshd.daemon.status import peer_status, peers_table
+from meshd.daemon.status import models_table, peer_status, peers_table, sessions_table
 from meshd.stats import percentiles
 from meshd.tracker.routing import NoRouteError
+
+# the status page: the mesh at a glance, drawn in the browser from the JSON below (no build step)
+STATUS_PAGE = Path(__file__).with_name("status_page.html")
 
 if TYPE_CHECKING:
     from meshd.daemon.peer import Peer
@@ -24,6 +28,26 @@ def build_control_app(peer: Peer) -> Starlette:
 
     async def peers(_request: Request) -> JSONResponse:
         return JSONResponse({"peers": peers_table(peer)})
+
+    async def models(_request: Request) -> JSONResponse:
+        return JSONResponse({"models": models_table(peer)})
+
+    async def sessions(_request: Request) -> JSONResponse:
+        return JSONResponse({"sessions": sessions_table(peer)})
+
+    async def page(_request: Request) -> HTMLResponse:
+        return HTMLResponse(STATUS_PAGE.read_text())
+
+    async def events(_request: Request) -> JSONResponse:
+        return JSONResponse({"events": list(peer.metrics.events)})
+
+    async def logs(request: Request) -> JSONResponse:
+        try:
+            lines = min(int(request.query_params.get("lines", "100")), 10_000)
+        except ValueError:
+            return JSONResponse({"error": "lines is a number"}, status_code=400)
+        session = request.query_params.get("session") or None
+        return JSONResponse({"records": peer.recent_logs.latest(lines, session)})
 
     async def route(request: Request) -> JSONResponse:
         model = request.query_params.get("model", "")
@@ -59,4 +83,9 @@ def build_control_app(peer: Peer) -> Starlette:
         Route("/status", status),
         Route("/peers", peers),
         Route("/route", route),
+        Route("/models", models),
+        Route("/sessions", sessions),
+        Route("/logs", logs),
+        Route("/events", events),
+        Route("/", page),
     ])

@@ -23,6 +23,7 @@ from meshd.errors import ErrorCode, MeshError
 from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.gossip.events import Action as GossipAction
 from meshd.identity import Identity
+from meshd.metrics import PeerMetrics
 from meshd.rpc import RpcFailed, call
 from meshd.tracker.duties import Order, TrackerDuties
 from meshd.tracker.view import MeshView
@@ -44,8 +45,10 @@ class NotTracker(MeshError):
 
 class ControlPlane:
     def __init__(self, identity: Identity, config: PeerConfig, opener: StreamOpener,
-                 card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool]) -> None:
+                 card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool],
+                 metrics: PeerMetrics | None = None) -> None:
         self.identity = identity
+        self.metrics = metrics or PeerMetrics()
         self.config = config
         self.opener = opener
         self.card = card
@@ -144,6 +147,7 @@ class ControlPlane:
             elif isinstance(action, BroadcastLease):
                 self.gossip.publish_lease(action.signed, now)
             elif isinstance(action, TrackerChanged):
+                self.metrics.tracker_changes.inc()
                 log.info("tracker is now %s (term %d)", str(action.new)[:12], action.term)
             elif isinstance(action, MemberChanged):
                 log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
@@ -158,6 +162,7 @@ class ControlPlane:
         if address is None:
             return
         started = time.monotonic()
+        self.metrics.gossip.labels("sent").inc()
         try:
             await call(self.opener, peer_id, address, pb.PeerRequest(gossip=send.message),
                        timeout=max(1.0, self.config.probe_timeout_s * 2))
@@ -183,6 +188,7 @@ class ControlPlane:
 
     async def on_gossip(self, sender: str, message: cpb.GossipMessage) -> pb.Accepted:
         self.view.heard_from(sender, time.time())
+        self.metrics.gossip.labels("received").inc()
         await self.perform(self.gossip.on_message(sender, message, time.time()))
         return pb.Accepted()
 

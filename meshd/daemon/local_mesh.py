@@ -145,7 +145,8 @@ class LocalMesh:
         ready.unlink(missing_ok=True)
         args = [sys.executable, "-m", "meshd.cli.meshd_main", "run", "--data-dir", str(data_dir),
                 "--name", f"peer{index}", "--listen", "127.0.0.1:0", "--api", "127.0.0.1:0",
-                "--control", "127.0.0.1:0", "--ready-file", str(ready), "--log-level", self.log_level]
+                "--control", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--ready-file", str(ready),
+                "--log-level", self.log_level]
         if model is not None:
             args += ["--model", str(model)]
         if memory_budget is not None:

@@ -33,6 +33,8 @@ from meshd.daemon.status import peer_status
 from meshd.errors import ListenError, MeshError, first_leaf
 from meshd.files import write_atomically
 from meshd.identity import Identity
+from meshd.logs import RecentRecords
+from meshd.metrics import Levels, PeerMetrics, metrics_app
 from meshd.models.artifacts import ModelFilesCache
 from meshd.models.gguf_model import model_directory
 from meshd.rpc import RPC_PATH, RpcRouter
@@ -63,18 +65,22 @@ class BoundAddresses:
     advertise: str
     api: str
     control: str
+    metrics: str
 
 
 class Peer:
     """One daemon: builds every plane from ``config`` and runs them under one nursery (``run``)."""
 
-    def __init__(self, config: PeerConfig) -> None:
+    def __init__(self, config: PeerConfig, recent_logs: RecentRecords | None = None) -> None:
         self.config = config
+        self.recent_logs = recent_logs or RecentRecords()  # what `meshctl logs` shows
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(config.data_dir)
         self.peer_id = self.identity.peer_id
         self.bound = BoundAddresses(listen=config.listen, advertise=config.advertised, api=config.api,
-                                    control=config.control)
+                                    control=config.control, metrics=config.metrics)
+        self.metrics = PeerMetrics()
+        self.metrics.watch(self._levels)
         self.transport = Transport(self.identity)
         self.served: ServedModel | None = None
         self.model_error = ""  # why the configured model is not offered at all (it could not be read)
@@ -89,9 +95,11 @@ class Peer:
         self.hops = HopService(self.peer_id, self.transport, self.served.host if self.served else None,
                                self.served.info if self.served else None,
                                AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue),
-                               compression=config.compression, stream_window=self.transport.config.stream_window)
+                               compression=config.compression, stream_window=self.transport.config.stream_window,
+                               metrics=self.metrics)
         self.control = ControlPlane(self.identity, config, self.transport, card=self._card,
-                                    directly_reachable=lambda: bool(self.reachability.direct_addresses()))
+                                    directly_reachable=lambda: bool(self.reachability.direct_addresses()),
+                                    metrics=self.metrics)
         self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties)
         self.files = ModelFilesCache(config.data_dir, self.served.info if self.served else None, self.transport)
         self.rpc = RpcRouter()
@@ -207,6 +215,26 @@ class Peer:
         else:
             log.info("drained")
 
+    def _levels(self) -> Levels:
+        """What the metrics endpoint reports as levels, read when it is scraped."""
+        now = time.time()
+        host = self.served.host if self.served is not None else None
+        shard = host.shard if host is not None else None
+        members = [s.name.lower() for s in self.control.gossip.members().values()]
+        cards = self.control.view.cards()
+        links = [self.transport.connection_route(p) for p in cards if p != self.peer_id]
+        return Levels(
+            hop_sessions=self.hops.active_sessions, entry_sessions=self.entry.running if self.entry else 0,
+            queued_steps=self.hops.queued, kv_bytes=shard.kv.used_bytes if shard is not None else 0,
+            kv_budget_bytes=self.config.kv_budget,
+            decode_tok_s=self.served.decode_tok_s if self.served is not None else 0.0,
+            cards=len(cards), members={state: members.count(state) for state in set(members)},
+            election_term=self.control.election.term(now) or 0,
+            is_tracker=self.control.election.tracker(now) == self.peer_id,
+            links={route: links.count(route) for route in ("direct", "relay")},
+            relays_registered=sum(1 for r in self.reachability.registrations if r.registered),
+            decode_batches=dict(host.batcher.stats.batch_sizes) if host is not None else {})
+
     # -- run ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
@@ -224,7 +252,8 @@ class Peer:
                     self.entry = EntrySessions(self.peer_id, self.transport, self.routes, EntryConfig(
                         chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
                         request_timeout_s=cfg.request_timeout_s,
-                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s)), sessions)
+                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s)), sessions,
+                        metrics=self.metrics)
                     backend = MeshBackend(self.control.view, self.routes, self.entry, self.files,
                                           leaving=lambda: self.leaving)
                     api = Address.parse(cfg.api)
@@ -235,14 +264,20 @@ class Peer:
                     control_port = await _start_listener(nursery, "the control API", control, serve_asgi,
                                                          build_control_app(self), control, "meshd.control.http")
                     self.bound.control = str(control.with_port(control_port))
+                    if cfg.metrics:
+                        metrics = Address.parse(cfg.metrics)
+                        metrics_port = await _start_listener(nursery, "metrics", metrics, serve_asgi,
+                                                             metrics_app(self.metrics.registry), metrics,
+                                                             "meshd.metrics.http")
+                        self.bound.metrics = str(metrics.with_port(metrics_port))
                     self._republish()
                     if self.served is not None and cfg.layers is not None:
                         nursery.start_soon(self.served.load, *cfg.layers)
                     await nursery.start(self.control.run, self._on_tick)
                     await nursery.start(self.hops.run)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
-                    log.info("peer %s listening on %s, API on %s, control on %s", self.peer_id, self.bound.advertise,
-                             self.bound.api, self.bound.control)
+                    log.info("peer %s listening on %s, API on %s, control on %s, metrics on %s", self.peer_id,
+                             self.bound.advertise, self.bound.api, self.bound.control, self.bound.metrics or "-")
                     self.ready.set()
                     if cfg.ready_file is not None:
                         write_atomically(cfg.ready_file, json.dumps(peer_status(self)))

@@ -22,6 +22,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
     return {
         "peer_id": peer.peer_id, "name": peer.config.name or peer.peer_id[:8], "version": __version__,
         "listen": peer.bound.advertise, "api": peer.bound.api, "control": peer.bound.control,
+        "metrics": peer.bound.metrics or None,
         "tracker": tracker, "tracker_term": control.election.term(now), "is_tracker": tracker == peer.peer_id,
         "lease_duration_s": peer.config.lease_duration_s, "takeover_bound_s": control.takeover_bound_s(),
         "model": served.info.model_id if served else None,
@@ -69,4 +70,41 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
             "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
             "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
         })
+    return rows
+
+
+def models_table(peer: Peer) -> list[dict[str, Any]]:
+    """Every model the mesh offers: who holds which layers, and whether a complete route exists."""
+    from meshd.tracker.routing import NoRouteError, plan_route
+
+    view = peer.control.view
+    cards = view.cards()
+    offers = view.offers()
+    rows = []
+    for model_id in sorted({o.model_id for o in offers}):
+        mine = [o for o in offers if o.model_id == model_id]
+        n_layers = max(o.n_layers for o in mine)
+        try:
+            plan_route(model_id, offers, view.rtt_of)
+            missing: list[list[int]] = []
+        except NoRouteError as exc:
+            missing = [list(r) for r in exc.missing]
+        holders = []
+        for o in sorted(mine, key=lambda o: (o.range or (n_layers, n_layers), o.peer_id)):
+            served = next((m for m in cards[o.peer_id].models if m.model_id == model_id), None)
+            holders.append({"peer_id": o.peer_id, "name": cards[o.peer_id].name or o.peer_id[:8],
+                            "start": o.range[0] if o.range else None, "end": o.range[1] if o.range else None,
+                            "compat_key": o.compat_key,
+                            "backend": (served.backend or "torch") if served else None,
+                            "numerics": served.numerics if served else None})
+        rows.append({"model": model_id, "n_layers": n_layers, "covered": not missing, "missing": missing,
+                     "compat_keys": sorted({o.compat_key for o in mine}), "holders": holders})
+    return rows
+
+
+def sessions_table(peer: Peer) -> list[dict[str, Any]]:
+    """The live sessions this peer takes part in: as the entry, and as a hop of a route."""
+    now = time.monotonic()
+    rows = [g.as_json(now) for g in (peer.entry.live.values() if peer.entry is not None else [])]
+    rows += [h.as_json(now) for h in peer.hops.live.values()]
     return rows

@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from meshd.files import staged_directory
+from meshd.models import BUILTIN_NAMES
 from meshd.models.tokenizer import BOS, BUILTIN_LAYOUT, EOS, PAD, SPECIAL_TOKENS, TokenizerLayout, write_tokenizer
+from meshd.progress import progress as progress_of
 from meshd.runtime.adapters import registry
 
 
@@ -52,6 +54,7 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         intermediate_size=2816, vocab_size=32000, max_positions=4096, tie_embeddings=False, weight_files=4,
     ),
 }
+assert tuple(sorted(BUILTIN_MODELS)) == BUILTIN_NAMES, "meshd.models.BUILTIN_NAMES lists the built-in models"
 
 ProgressFn = Callable[[str], None]
 
@@ -167,21 +170,21 @@ def write_model(
 
     weight_map: dict[str, str] = {}
     total = 0
-    for index, names in enumerate(groups):
-        file_name = (
-            "model.safetensors" if weight_files == 1
-            else f"model-{index + 1:05d}-of-{weight_files:05d}.safetensors"
-        )
-        tensors = {
-            name: _init_tensor(name, shapes[name], seed, config.hidden_size,
-                               bool(config.tie_word_embeddings)).to(dtype)
-            for name in sorted(names)
-        }
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
-        weight_map.update({name: file_name for name in tensors})
-        say(f"wrote {file_name} ({len(tensors)} tensors)")
-        del tensors
+    with progress_of("generating weights", len(shapes), "tensors", say=say) as bar:
+        for index, names in enumerate(groups):
+            file_name = (
+                "model.safetensors" if weight_files == 1
+                else f"model-{index + 1:05d}-of-{weight_files:05d}.safetensors"
+            )
+            tensors = {}
+            for name in sorted(names):
+                tensors[name] = _init_tensor(name, shapes[name], seed, config.hidden_size,
+                                             bool(config.tie_word_embeddings)).to(dtype)
+                bar.advance(note=file_name)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+            weight_map.update({name: file_name for name in tensors})
+            del tensors
     if weight_files > 1:
         index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")

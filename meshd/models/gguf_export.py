@@ -28,6 +28,7 @@ import numpy as np
 
 from meshd.errors import ModelFormatError
 from meshd.files import staged_file
+from meshd.progress import progress as progress_of
 from meshd.runtime.loader import SafetensorsIndex, load_config
 
 QUANTS = ("f32", "f16", "q8_0", "q4_k")
@@ -139,25 +140,25 @@ def write_gguf(model_dir: Path, out_file: Path, quant: str = "f32", say: Say | N
         permute = arch == "llama"  # llama.cpp rotates Llama's query/key rows its own way; Qwen's as stored
         index = SafetensorsIndex(model_dir)
         hf_names = sorted(index.files, key=_tensor_order)
-        for done, hf_name in enumerate(hf_names, 1):
-            stem, _, suffix = hf_name.rpartition(".")
-            gguf_name = names.get_name(stem)
-            if gguf_name is None:
-                raise ModelFormatError(f"tensor {hf_name!r} has no GGUF name")
-            data = index.load([hf_name], _torch_float32())[hf_name].numpy()
-            if permute and stem.endswith("self_attn.q_proj"):
-                data = _permute_for_llamacpp(data, n_head)
-            elif permute and stem.endswith("self_attn.k_proj"):
-                data = _permute_for_llamacpp(data, n_kv)
-            if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # norms stay float32, as in llama.cpp
-                writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float32))
-            elif qtype == gguf.GGMLQuantizationType.F16:
-                writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float16))
-            else:
-                packed = gguf.quants.quantize(data.astype(np.float32), qtype)
-                writer.add_tensor(f"{gguf_name}.{suffix}", packed, raw_shape=packed.shape, raw_dtype=qtype)
-            if done % 16 == 0 or done == len(hf_names):
-                say(f"converted {done} of {len(hf_names)} tensors to {quant}")
+        with progress_of(f"converting to {quant}", len(hf_names), "tensors", say=say) as bar:
+            for hf_name in hf_names:
+                stem, _, suffix = hf_name.rpartition(".")
+                gguf_name = names.get_name(stem)
+                if gguf_name is None:
+                    raise ModelFormatError(f"tensor {hf_name!r} has no GGUF name")
+                data = index.load([hf_name], _torch_float32())[hf_name].numpy()
+                if permute and stem.endswith("self_attn.q_proj"):
+                    data = _permute_for_llamacpp(data, n_head)
+                elif permute and stem.endswith("self_attn.k_proj"):
+                    data = _permute_for_llamacpp(data, n_kv)
+                if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # norms stay float32, as in llama.cpp
+                    writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float32))
+                elif qtype == gguf.GGMLQuantizationType.F16:
+                    writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float16))
+                else:
+                    packed = gguf.quants.quantize(data.astype(np.float32), qtype)
+                    writer.add_tensor(f"{gguf_name}.{suffix}", packed, raw_shape=packed.shape, raw_dtype=qtype)
+                bar.advance()
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

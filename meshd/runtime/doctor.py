@@ -126,7 +126,7 @@ def run_doctor(model_path: Path, layers: tuple[int, int] | None, dtype: str, dev
                                    f"{len(info.manifest.tensors)} tensors, {info.manifest.total_bytes / 1e6:.1f} MB"))
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
-        shard = open_shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest)
+        shard = open_shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest, say=say)
         load_s = time.perf_counter() - started
         report.checks.append(Check(f"layers [{start}, {end}) load", True, f"{load_s:.2f}s"))
         report.checks += check_shard(shard)

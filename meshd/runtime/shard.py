@@ -11,6 +11,7 @@ many take part, so that a session's tokens never depend on the others (:mod:`mes
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMismatch, RangeMismatch, ShapeMismatch
+from meshd.progress import progress
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
 from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, decode_rows
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
@@ -29,6 +31,8 @@ from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import DTYPES, Numerics, default_numerics
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
+
+log = logging.getLogger("meshd.runtime")
 
 INPUT_IDS = "input_ids"
 HIDDEN_STATES = "hidden_states"
@@ -98,8 +102,11 @@ class Shard:
         session_ttl_s: float = 600.0,
         keep_logits: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] | None = None,
     ) -> None:
+        """``say``: where loading reports its progress (a bar on a terminal); default: log lines."""
         self.model_dir = Path(model_dir)
+        self._say = say
         self.config = load_config(self.model_dir)
         self.adapter: ArchitectureAdapter = adapter_for(self.config)
         self.config._attn_implementation = ATTENTION_NAME
@@ -135,19 +142,23 @@ class Shard:
             weight = index.load([a.embed_tensor], dtype, device)[a.embed_tensor]
             self.embed = a.embedding(cfg, weight).to(device)
         layers = []
-        for i in range(spec.start, spec.end):
-            prefix = a.layer_tensor_prefix(i)
-            names = index.names_with_prefix(prefix)
-            if not names:
-                raise ModelFormatError(f"checkpoint has no tensors for layer {i}")
-            state = a.layer_state({n[len(prefix):]: t for n, t in index.load(names, dtype, device).items()}, cfg)
-            with torch.device("meta"):
-                layer = a.decoder_layer(cfg, layer_idx=i)
-            try:
-                layer.load_state_dict(state, strict=True, assign=True)
-            except RuntimeError as exc:
-                raise ModelFormatError(f"layer {i} does not match the config: {exc}") from None
-            layers.append(layer.eval())
+        with progress(f"loading layers [{spec.start}, {spec.end})", spec.end - spec.start, "layers", say=self._say,
+                      logger=log, draw=None if self._say is not None else False) as bar:
+            for i in range(spec.start, spec.end):
+                prefix = a.layer_tensor_prefix(i)
+                names = index.names_with_prefix(prefix)
+                if not names:
+                    raise ModelFormatError(f"checkpoint has no tensors for layer {i}")
+                state = a.layer_state({n[len(prefix):]: t for n, t in index.load(names, dtype, device).items()},
+                                      cfg)
+                with torch.device("meta"):
+                    layer = a.decoder_layer(cfg, layer_idx=i)
+                try:
+                    layer.load_state_dict(state, strict=True, assign=True)
+                except RuntimeError as exc:
+                    raise ModelFormatError(f"layer {i} does not match the config: {exc}") from None
+                layers.append(layer.eval())
+                bar.advance()
         self.layers = nn.ModuleList(layers)
         self.windows = [a.sliding_window_of(cfg, i) for i in range(spec.start, spec.end)]
         self.layer_types = [a.layer_type_of(cfg, i) for i in range(spec.start, spec.end)]

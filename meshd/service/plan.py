@@ -27,31 +27,22 @@ DESCRIPTIONS = {
 LABELS = {"meshd": "org.meshd.meshd", "meshd-relay": "org.meshd.relay"}
 # the daemon drains sessions for drain_timeout_s (30 s by default) on SIGTERM; the manager waits longer
 STOP_TIMEOUT_S = {"meshd": 45, "meshd-relay": 10}
-DEFAULT_CONFIG = {
-    "meshd": """\
-# meshd settings (TOML). Every key is optional; `meshd run --help` lists them with their defaults,
-# docs/mesh.md explains them. Flags and MESHD_* environment variables override this file.
+SETTINGS_HEADER = """{program} settings (TOML), written by `meshctl service install` because there were none.
+Every setting is listed with its meaning and default, commented out: uncomment what you change,
+then `meshctl service install` again or restart the service. docs/configuration.md has the same list."""
 
-# name = "my-peer"
-# listen = "0.0.0.0:7700"          # peer transport; other peers dial this
-# advertise = "203.0.113.7:7700"   # the address they should dial, when it differs
-# api = "127.0.0.1:8000"           # OpenAI API
-# control = "127.0.0.1:7701"       # meshctl
-# bootstrap = ["peer.example:7700"]
-# model = "/srv/models/Qwen2.5-7B-Instruct"
-# memory_budget = "8GiB"
-# kv_budget = "1GiB"
-""",
-    "meshd-relay": """\
-# meshd-relay settings (TOML). Every key is optional; `meshd-relay --help` lists them,
-# docs/relay-operators.md explains them. Flags and MESHD_RELAY_* environment variables override this file.
 
-# listen = "0.0.0.0:7800"
-# metrics = "127.0.0.1:7801"
-# max_peers = 1000
-# bandwidth_bytes_per_s = "8MiB"
-""",
-}
+def default_settings(program: str) -> str:
+    """The commented settings file a fresh install gets: every setting, none set."""
+    from meshd.settings import commented_toml
+
+    if program == "meshd":
+        from meshd.daemon.config import PeerConfig
+
+        return commented_toml(PeerConfig, SETTINGS_HEADER.format(program=program))
+    from meshd_relay.config import RelayConfig
+
+    return commented_toml(RelayConfig, SETTINGS_HEADER.format(program=program))
 
 
 class ServiceError(Exception):
@@ -255,7 +246,7 @@ class Installation:
 
     def install_plan(self) -> ServicePlan:
         plan = ServicePlan("install")
-        plan.actions.append(FileWrite(self.config_file, DEFAULT_CONFIG[self.program], 0o644, keep_existing=True))
+        plan.actions.append(FileWrite(self.config_file, default_settings(self.program), 0o644, keep_existing=True))
         plan.actions.append(FileWrite(self.service_file, self.render()))
         system_user = SYSTEM_USER[self.platform]
         needs_user = self.scope == "system" and self.program == "meshd"

@@ -21,6 +21,8 @@ from typing import Protocol
 import trio
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.logs import bind_log_context, route_id
+from meshd.metrics import PeerMetrics
 from meshd.session import messages as m
 from meshd.session.attempt import (
     AttemptEvent,
@@ -222,31 +224,68 @@ class EntryConfig:
     repair: RepairConfig = field(default_factory=RepairConfig)
 
 
+@dataclass
+class LiveGeneration:
+    """A running generation as ``meshctl sessions`` shows it."""
+
+    session_id: str
+    model_id: str
+    prompt_tokens: int
+    started: float  # monotonic
+    generated: int = 0
+    epoch: int = 0
+    route: list[str] = field(default_factory=list)  # peer ids, head first
+    repairs: int = 0
+
+    def as_json(self, now: float) -> dict:
+        elapsed = max(now - self.started, 1e-9)
+        return {"session_id": self.session_id, "role": "entry", "model": self.model_id,
+                "prompt_tokens": self.prompt_tokens, "tokens": self.generated,
+                "tok_s": round(self.generated / elapsed, 2), "age_s": round(elapsed, 2), "epoch": self.epoch,
+                "hops": len(self.route), "route": self.route, "repairs": self.repairs}
+
+
+def _ids(session_id: str, route: Route) -> dict:
+    """Log ``extra`` naming a session and its route, for records logged outside the session's tasks."""
+    return {"fields": {"session": session_id, "route": route_id(route.epoch, [h.peer_id for h in route.hops])}}
+
+
 class EntrySessions:
     """The generations this peer is the entry of; attempts run in ``nursery`` (the daemon's sessions
     nursery), so that each is owned by the daemon while the API streams its tokens."""
 
     def __init__(self, peer_id: str, opener: StreamOpener, routes: RouteSource, config: EntryConfig,
-                 nursery: trio.Nursery) -> None:
+                 nursery: trio.Nursery, metrics: PeerMetrics | None = None) -> None:
         self.peer_id = peer_id
+        self.metrics = metrics or PeerMetrics()
         self.opener = opener
         self.routes = routes
         self.config = config
         self.nursery = nursery
         self.running = 0
+        self.live: dict[str, LiveGeneration] = {}
         self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
 
     async def generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[GeneratedToken]:
         """Yield the generation's tokens, repairing the route as needed; raises the repair policy's
         errors (``NoCompleteRoute``, ``AllRefused``, ``RepairFailed``) or ``DeadlinePassed``."""
         self.running += 1
+        live = self.live[gen.session_id] = LiveGeneration(gen.session_id, gen.model_id, len(gen.prompt),
+                                                          time.monotonic())
+        log.info("session %s started: %s, %d prompt tokens, up to %d new", gen.session_id, gen.model_id,
+                 len(gen.prompt), gen.max_new_tokens, extra=_ids(gen.session_id, first.route))
         try:
-            async for token in self._generate(gen, first):
+            async for token in self._generate(gen, first, live):
+                live.generated += 1
                 yield token
         finally:
             self.running -= 1
+            self.live.pop(gen.session_id, None)
+            log.info("session %s ended after %d tokens, %d repairs", gen.session_id, live.generated, live.repairs,
+                     extra={"fields": {"session": gen.session_id}})
 
-    async def _generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[GeneratedToken]:
+    async def _generate(self, gen: Generation, first: PlannedRoute, live: LiveGeneration,
+                        ) -> AsyncIterator[GeneratedToken]:
         cfg = self.config
         policy = RepairPolicy(cfg.repair)
         deadline = trio.current_time() + cfg.request_timeout_s
@@ -258,6 +297,7 @@ class EntrySessions:
                 planned = await self._plan(gen, policy, len(generated), deadline, numerics_class)
             epoch, resume_from, unchanged = policy.begin(planned.route)
             route = replace(planned.route, epoch=epoch)
+            live.epoch, live.route = epoch, [h.peer_id for h in route.hops]
             plan = SessionPlan(
                 route=route, addresses=planned.addresses, prompt=[*gen.prompt, *generated],
                 max_new_tokens=gen.max_new_tokens - len(generated), sampling=gen.sampling,
@@ -274,8 +314,11 @@ class EntrySessions:
                         if repaired is not None:
                             took_ms, position = repaired
                             self.repair_ms.setdefault(position, deque(maxlen=STATS_WINDOW)).append(took_ms)
+                            self.metrics.event("repaired", session=gen.session_id, lost=position,
+                                               took_ms=round(took_ms, 1), route=route.describe())
                             log.info("session %s repaired (%s hop lost) in %.0f ms: epoch %d on %s",
-                                     gen.session_id, position, took_ms, epoch, route.describe())
+                                     gen.session_id, position, took_ms, epoch, route.describe(),
+                                     extra=_ids(gen.session_id, route))
                         generated.append(token.token)
                         yield token
                 await outcome.done.wait()  # the attempt's outcome is recorded only once its task has ended
@@ -288,11 +331,15 @@ class EntrySessions:
             failure = outcome.failure
             if generated and generated[-1] in gen.stop_token_ids:
                 return
+            self.metrics.repairs.labels(str(failure.code)).inc()
+            self.metrics.event("route failed", session=gen.session_id, cause=str(failure.code),
+                               after_tokens=len(generated), message=failure.message)
+            live.repairs += 1
             unreachable = policy.on_failure(failure, len(generated), route, trio.current_time())
             if unreachable is not None:
                 self.routes.mark_unreachable(unreachable)
             log.info("session %s epoch %d on %s failed after %d tokens (%s); repairing", gen.session_id, epoch,
-                     route.describe(), len(generated), policy.cause)
+                     route.describe(), len(generated), policy.cause, extra=_ids(gen.session_id, route))
             planned = None
 
     async def _plan(self, gen: Generation, policy: RepairPolicy, generated: int, deadline: float,
@@ -315,6 +362,8 @@ class EntrySessions:
     async def _attempt_task(self, plan: SessionPlan, send: trio.MemorySendChannel[GeneratedToken], outcome: _Outcome,
                             deadline: float, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         """One attempt under the daemon's sessions nursery; its outcome is recorded, never raised."""
+        bind_log_context(session=plan.session_id,
+                         route=route_id(plan.route.epoch, [h.peer_id for h in plan.route.hops]))
         try:
             with trio.CancelScope(deadline=deadline) as scope:
                 task_status.started(scope)

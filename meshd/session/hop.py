@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import trio
 
 from meshd.errors import BundleError, ErrorCode, MeshError
+from meshd.logs import bind_log_context, route_id
+from meshd.metrics import PeerMetrics
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import SessionKey
 from meshd.runtime.model_info import ModelInfo
@@ -51,6 +53,27 @@ PURGE_INTERVAL_S = 0.25  # how often kept KV is checked for an expired grace
 
 def _window() -> deque[float]:
     return deque(maxlen=STATS_WINDOW)
+
+
+@dataclass
+class LiveHopSession:
+    """A session passing through this hop, as ``meshctl sessions`` shows it."""
+
+    session_id: str
+    epoch: int
+    model_id: str
+    hop_index: int
+    hops: int
+    layers: tuple[int, int]
+    started: float  # monotonic
+    steps: int = 0  # decode steps computed here
+
+    def as_json(self, now: float) -> dict:
+        elapsed = max(now - self.started, 1e-9)
+        role = "head" if self.hop_index == 0 else "tail" if self.hop_index == self.hops - 1 else "middle"
+        return {"session_id": self.session_id, "role": f"hop {self.hop_index} ({role})", "model": self.model_id,
+                "layers": list(self.layers), "tokens": self.steps, "tok_s": round(self.steps / elapsed, 2),
+                "age_s": round(elapsed, 2), "epoch": self.epoch, "hops": self.hops}
 
 
 @dataclass
@@ -115,8 +138,10 @@ class HopService:
 
     def __init__(self, peer_id: str, opener: StreamOpener, host: ShardHost | None, model: ModelInfo | None,
                  limits: AdmissionLimits | None = None, compression: str = "auto", stream_window: int = 1024 * 1024,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+                 clock: Callable[[], float] = trio.current_time, metrics: PeerMetrics | None = None) -> None:
         self.peer_id = peer_id
+        self.metrics = metrics or PeerMetrics()
+        self.live: dict[SessionKey, LiveHopSession] = {}
         self.opener = opener
         self.host = host
         self.model = model
@@ -230,8 +255,14 @@ class HopService:
             holding = self.holding()
             open_ = self.book.check_open(m.parse(await _receive_open(stream)), holding)
             assert holding is not None
+            bind_log_context(session=open_.session_id, route=route_id(open_.epoch, [h.peer_id for h in open_.hops]))
             key = self.book.admit(open_, holding, self.queued)
             self.stats.sessions_served += 1
+            me = open_.hops[open_.hop_index]
+            self.live[key] = LiveHopSession(open_.session_id, open_.epoch, open_.model_id, open_.hop_index,
+                                            len(open_.hops), (me.range_start, me.range_end), time.monotonic())
+            log.info("session %s opened on layers [%d, %d), hop %d of %d", open_.session_id, me.range_start,
+                     me.range_end, open_.hop_index + 1, len(open_.hops))
             resumed, released = self.book.resume(open_, self._resume_kv, self.clock())
             self._release(released)
             session = HopSession(self.book, open_, resumed)
@@ -256,6 +287,9 @@ class HopService:
             failure = self._failed(key, exc)
         finally:
             if key is not None:
+                done = self.live.pop(key, None)
+                log.info("session %s closed on this hop after %d decode steps%s", key[0], done.steps if done else 0,
+                         " (failed)" if failure is not None else "")
                 failed = failure is not None or downstream_failed.is_set()
                 kv_held = self.host is not None and self.host.shard is not None and key in self.host.shard.kv
                 self._release(self.book.finish(key, failed=failed, kv_held=kv_held, now=self.clock()))
@@ -280,6 +314,9 @@ class HopService:
                 return
             decoding = bundle.phase == Phase.DECODE
             if decoding:
+                live = self.live.get((session.open.session_id, session.open.epoch))
+                if live is not None:
+                    live.steps += 1
                 self.stats.deserialize_ms.append((time.perf_counter() - parse_started) * 1000)
             if bundle.sent_at_ns:
                 crossed = (time.time_ns() - bundle.sent_at_ns) / 1e6
@@ -287,6 +324,7 @@ class HopService:
                     self.stats.prefill_seam_ms.append(crossed)
                 else:
                     (self.stats.entry_seam_ms if first_hop else self.stats.seam_ms).append(crossed)
+                    self.metrics.seam.labels("entry" if first_hop else "hop").observe(crossed / 1000)
                     self.stats.seam_bytes.append(len(raw))
             await self._perform(session, session.on_bundle(bundle), downstream)
 
@@ -342,6 +380,10 @@ class HopService:
         """Log a session's failure on this hop; return the error message for upstream, naming the
         peer at fault: the next hop when it could not be reached, else this one."""
         self.stats.seam_errors += 1
+        if key is None:  # refused before admission
+            code = str(exc.code if isinstance(exc, MeshError) else ErrorCode.SEAM_FAILED)
+            self.metrics.refusals.labels(code).inc()
+            self.metrics.event("refusal", code=code, message=str(exc))
         log.warning("session %s failed on this hop: %s: %s", key, type(exc).__name__, exc)
         if isinstance(exc, NextHopFailed):
             return m.error_msg(exc.code, str(exc), exc.peer_id)

@@ -3,47 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import trio
 
 from meshd.cli.signals import run_until_signalled
+from meshd.logs import configure_logging as _configure
 from meshd_relay.config import RelayConfig, load_config
 from meshd_relay.server import RelayServer
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and the event's own fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        doc.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
-class TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        fields = getattr(record, "fields", None) or {}
-        extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
-        return f"{stamp} {record.levelname} {record.name}: {record.getMessage()}" + (f" {extra}" if extra else "")
-
-
 def configure_logging(config: RelayConfig) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if config.log_format == "json" else TextFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(config.log_level.upper())
-    for noisy in ("trio-websocket", "hpack", "hypercorn"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _configure(config.log_level, config.log_format, quiet=("trio-websocket", "hpack", "hypercorn"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-circuits-per-peer", type=int, help="open circuits to one peer")
     p.add_argument("--bandwidth", dest="bandwidth_bytes_per_s", metavar="SIZE",
                    help="bytes per second per peer, e.g. 8MiB (0: no cap)")
-    p.add_argument("--bandwidth-burst", dest="bandwidth_burst_bytes", metavar="SIZE")
-    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, metavar="SECONDS")
+    p.add_argument("--bandwidth-burst", dest="bandwidth_burst_bytes", metavar="SIZE",
+                   help="bytes a peer may send at once above its rate (default 4MiB)")
+    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, metavar="SECONDS",
+                   help="close a circuit idle this long (default 300)")
     p.add_argument("--max-message", dest="max_message_bytes", metavar="SIZE", help="largest WebSocket message")
     p.add_argument("--allow-peer", dest="allow_peers", action="append", metavar="PEER_ID",
                    help="only these peers may register (repeatable)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", choices=["json", "text"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="least severe records logged (default info)")
+    p.add_argument("--log-format", choices=["json", "text"],
+                   help="json (default): one object per line; text: lines for people")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON once listening")
     return p
 

@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
-from meshd.settings import layered_settings, parse_size
+from meshd.settings import layered_settings, parse_size, setting, setting_list
 
 
 @dataclass
 class RelayConfig:
-    listen: str = "0.0.0.0:7800"              # WebSocket listener peers and dialers connect to
-    metrics: str = "127.0.0.1:7801"           # Prometheus /metrics; "" turns it off
-    max_peers: int = 1000                     # registered peers at once
-    max_circuits_per_peer: int = 32           # open circuits to one registered peer
-    bandwidth_bytes_per_s: int = 8 * 1024**2  # per registered peer, both directions together; 0 = no cap
-    bandwidth_burst_bytes: int = 4 * 1024**2  # what a peer may send at once above its rate
-    bandwidth_max_delay_s: float = 2.0        # traffic is slowed down this far, then the circuit is cut
-    idle_timeout_s: float = 300.0             # a circuit with no bytes either way for this long is closed
-    handshake_timeout_s: float = 10.0         # a registration must complete within this
-    accept_timeout_s: float = 10.0            # a registered peer must pick up a circuit within this
-    max_message_bytes: int = 256 * 1024       # largest WebSocket message accepted from anyone
-    allow_peers: list[str] = field(default_factory=list)  # peer ids allowed to register; empty = anyone
-    log_level: str = "info"
-    log_format: str = "json"                  # "json" (one object per line) or "text"
-    ready_file: Path | None = None            # written (JSON: ports) once listening, for scripts and tests
+    """Every setting of a relay, with what it means (``meshctl service install --relay`` writes them
+    into a commented TOML file; docs/configuration.md lists them)."""
+
+    listen: str = setting("0.0.0.0:7800", "WebSocket listener peers and dialers connect to")
+    metrics: str = setting("127.0.0.1:7801", "Prometheus /metrics listener; \"\" turns it off")
+    max_peers: int = setting(1000, "registered peers at once")
+    max_circuits_per_peer: int = setting(32, "open circuits to one registered peer")
+    bandwidth_bytes_per_s: int = setting(8 * 1024**2, "bytes per second per registered peer, both directions "
+                                         "together (e.g. \"8MiB\"); 0: no cap")
+    bandwidth_burst_bytes: int = setting(4 * 1024**2, "bytes a peer may send at once above its rate")
+    bandwidth_max_delay_s: float = setting(2.0, "seconds traffic is slowed down at most before the circuit is cut")
+    idle_timeout_s: float = setting(300.0, "a circuit with no bytes either way for this many seconds is closed")
+    handshake_timeout_s: float = setting(10.0, "seconds a registration has to complete")
+    accept_timeout_s: float = setting(10.0, "seconds a registered peer has to pick up a circuit")
+    max_message_bytes: int = setting(256 * 1024, "largest WebSocket message accepted from anyone")
+    allow_peers: list[str] = setting_list("peer ids allowed to register; empty: anyone")
+    log_level: str = setting("info", "debug, info, warning or error")
+    log_format: str = setting("json", "json (one object per line) or text")
+    ready_file: Path | None = setting(None, "write the bound ports as JSON here once listening (for scripts)")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-from starlette.types import ASGIApp, Receive, Scope, Send
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from meshd.address import Address
@@ -106,12 +105,11 @@ class RelayServer:
             self.port = int(server.port)
             metrics: Address | None = None
             if cfg.metrics:
-                from prometheus_client import make_asgi_app
-
                 from meshd.api.openai_server import serve_asgi
+                from meshd.metrics import metrics_app
 
                 metrics = Address.parse(cfg.metrics)
-                app = _with_lifespan(make_asgi_app(self.metrics.registry))
+                app = metrics_app(self.metrics.registry)
                 self.metrics_port = await nursery.start(serve_asgi, app, metrics, "meshd.relay.metrics")
                 metrics = metrics.with_port(self.metrics_port)
             _event("info", "relay listening", listen=str(listen.with_port(self.port)),
@@ -341,24 +339,6 @@ class RelayServer:
             with trio.move_on_after(1):
                 await ws.aclose(code, text)
         return reason_text, moved
-
-
-def _with_lifespan(app: ASGIApp) -> ASGIApp:
-    """prometheus-client's ASGI app answers only HTTP; acknowledge the server's lifespan events for it."""
-
-    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    return wrapped
 
 
 def _event(level: str, message: str, **fields: object) -> None:

@@ -1,0 +1,242 @@
+"""``meshctl`` commands that ask the local daemon, through its control API: peers, status, models,
+route, sessions, logs, chat. Human tables by default, ``--json`` for scripts (schemas in
+``meshd/cli/schemas/``, docs/operations.md), exit status 1 with one line when the daemon cannot be
+asked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+DEFAULT_CONTROL = "127.0.0.1:7701"
+
+
+class ControlError(Exception):
+    pass
+
+
+def control_get(args: argparse.Namespace, path: str) -> dict:
+    url = f"http://{args.control}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("error", "")
+        except ValueError:
+            detail = ""
+        raise ControlError(f"{url}: HTTP {exc.code} {detail}".strip()) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ControlError(f"cannot reach the daemon's control API at {args.control}: {exc}. "
+                           "Is meshd running? (set --control or MESHD_CONTROL)") from None
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    """Print a table with rich: aligned columns on a terminal, never wrapped or cut when piped."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for name in header:
+        table.add_column(name, no_wrap=True, overflow="ignore")
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=100_000, no_color=True, highlight=False)
+    console.print(table)
+
+
+def _print_json(doc: object) -> int:
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _reach(peer: dict) -> str:
+    """``direct``, or ``relay HOST:PORT`` for a peer reached only through a relay."""
+    via = peer.get("relayed_via") or []
+    if via:
+        return "relay " + ",".join(v.removeprefix("relay:") for v in via)
+    return "direct" if peer.get("addresses") else "-"
+
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    peers = control_get(args, "/peers")["peers"]
+    if args.json:
+        print(json.dumps(peers, indent=2))
+        return 0
+    rows = []
+    for p in peers:
+        models = ", ".join(f"{m['model_id']}[{m['start']},{m['end']})" if m.get("end") else f"{m['model_id']}[-]"
+                           for m in p["models"]) or "-"
+        rows.append([
+            p["peer_id"][:12] + ("*" if p.get("self") else ""), p.get("name") or "-",
+            ",".join(p.get("addresses") or []) or "-", _reach(p), "tracker" if p.get("tracker") else "peer",
+            p.get("state", "-"), models, f"{p.get('active_sessions', 0)}/{p.get('queued', 0)}",
+            "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
+            _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
+        ])
+    _table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
+                        "LAST SEEN", "CARD AGE"])
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = control_get(args, "/status")
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    for key, value in status.items():
+        print(f"{key:>18}: {json.dumps(value) if isinstance(value, dict | list) else value}")
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    route = control_get(args, f"/route?model={urllib.parse.quote(args.model)}")
+    if args.json:
+        print(json.dumps(route, indent=2))
+        return 0
+    print(f"model {route['model']} (compat {route['compat_key']}), epoch {route['epoch']}, "
+          f"planned by {route['planned_by']}, estimated {route['cost_ms']:.2f} ms/token")
+    rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['seam_ms']:.3f}",
+             f"{h['hop_ms']:.3f}", f"{h['load_factor']:.2f}"] for h in route["hops"]]
+    _table(rows, ["PEER", "LAYERS", "COMPUTE MS", "SEAM MS", "HOP MS", "LOAD"])
+    return 0
+
+
+def _listing(args: argparse.Namespace, name: str, empty: str) -> list[dict] | None:
+    """The daemon's list ``name``; printed as JSON, or said to be empty, it is handled here (None)."""
+    items: list[dict] = control_get(args, f"/{name}")[name]
+    if args.json:
+        _print_json(items)
+        return None
+    if not items:
+        print(empty, file=sys.stderr)
+        return None
+    return items
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    models = _listing(args, "models", "the mesh offers no model yet")
+    for m in models or []:
+        gaps = ", ".join(f"[{a},{b})" for a, b in m["missing"])
+        state = "covered" if m["covered"] else f"NOT COVERED, missing {gaps}"
+        print(f"{m['model']}: {m['n_layers']} layers, {state}, {len(m['holders'])} peers")
+        print(f"  {_coverage_bar(m)}")
+        rows = [[h["peer_id"][:12], h["name"], "-" if h["start"] is None else f"[{h['start']},{h['end']})",
+                 h["backend"] or "-", h["numerics"] or "-", h["compat_key"][:12]] for h in m["holders"]]
+        _table(rows, ["PEER", "NAME", "LAYERS", "BACKEND", "NUMERICS", "COMPAT"])
+    return 0
+
+
+def _coverage_bar(model: dict, width: int = 48) -> str:
+    """One character per slice of layers: how many peers hold it (``.`` none, ``1``-``9``, ``+`` more)."""
+    n = model["n_layers"]
+    counts = [0] * n
+    for h in model["holders"]:
+        if h["start"] is not None:
+            for layer in range(h["start"], h["end"]):
+                counts[layer] += 1
+    cells = min(width, n)
+    marks = []
+    for i in range(cells):
+        lo, hi = i * n // cells, max(i * n // cells + 1, (i + 1) * n // cells)
+        held = min(counts[lo:hi])
+        marks.append("." if held == 0 else str(held) if held < 10 else "+")
+    return f"layers 0..{n}: [{''.join(marks)}]"
+
+
+def _cmd_sessions(args: argparse.Namespace) -> int:
+    sessions = _listing(args, "sessions", "no live sessions on this peer")
+    if sessions is None:
+        return 0
+    rows = [[s["session_id"][:16], s["role"], s["model"], str(s["tokens"]), f"{s['tok_s']:.2f}", str(s["hops"]),
+             str(s["epoch"]), f"{s['age_s']:.1f}s"] for s in sessions]
+    _table(rows, ["SESSION", "ROLE", "MODEL", "TOKENS", "TOK/S", "HOPS", "EPOCH", "AGE"])
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    query = urllib.parse.urlencode({"lines": args.lines, **({"session": args.session} if args.session else {})})
+    records = control_get(args, f"/logs?{query}")["records"]
+    if args.json:
+        return _print_json(records)
+    for r in records:
+        ids = " ".join(f"{k}={r[k]}" for k in ("session", "route") if r.get(k))
+        print(f"{r['time']} {r['level']:<7} {r['logger']}: {r['message']}" + (f" [{ids}]" if ids else ""))
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from openai import OpenAI
+
+    status = control_get(args, "/status")
+    api = status["api"]
+    client = OpenAI(base_url=f"http://{api}/v1", api_key="meshd", timeout=args.timeout)
+    model = args.model or (status.get("models_covered") or [None])[0]
+    if model is None:
+        print("meshctl: the mesh covers no model completely yet", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.message}],
+                                            stream=True, max_tokens=args.max_tokens, temperature=args.temperature)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print(f"\n[{model} via {api}, {time.monotonic() - started:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def _add_control(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control", default=os.environ.get("MESHD_CONTROL", DEFAULT_CONTROL), metavar="HOST:PORT",
+                   help=f"the local daemon's control API (default {DEFAULT_CONTROL}, or $MESHD_CONTROL)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
+
+
+def _daemon_command(sub: argparse._SubParsersAction, name: str, text: str, func: Callable[..., int],
+                    description: str | None = None) -> argparse.ArgumentParser:
+    """A command that asks the daemon: --control, --timeout, and --json (its schema: schemas/NAME.json)."""
+    p = sub.add_parser(name, help=text, description=description or text[0].upper() + text[1:] + ".")
+    _add_control(p)
+    p.add_argument("--json", action="store_true",
+                   help=f"machine-readable output (JSON Schema: meshd/cli/schemas/{name}.json)")
+    p.set_defaults(func=func)
+    return p
+
+
+def add_mesh_parsers(sub: argparse._SubParsersAction) -> None:
+    _daemon_command(sub, "peers", "list the peers this daemon knows, with role, ranges, load and RTT", _cmd_peers)
+    _daemon_command(sub, "status", "this daemon's identity, tracker, model and load", _cmd_status)
+    route = _daemon_command(sub, "route", "the route the tracker would pick for a model, with its cost terms",
+                            _cmd_route)
+    route.add_argument("model", help="model id, as listed by /v1/models")
+    _daemon_command(sub, "models", "the models the mesh serves: coverage per model, who holds which layers",
+                    _cmd_models)
+    _daemon_command(sub, "sessions", "live sessions this peer takes part in: model, tokens, tok/s, hops",
+                    _cmd_sessions)
+    logs = _daemon_command(sub, "logs", "this daemon's recent log records (with session and route ids)", _cmd_logs,
+                           "The daemon keeps its last 2000 log records in memory; this prints them. --session "
+                           "follows one request's records (on every peer of its route, ask each).")
+    logs.add_argument("-n", "--lines", type=int, default=100, help="how many records (default 100)")
+    logs.add_argument("--session", metavar="ID", help="only records of this session (request) id")
+
+    chat = sub.add_parser("chat", help="send one chat message through the local daemon's OpenAI API")
+    chat.add_argument("message", help="what to say")
+    chat.add_argument("--model", help="model id (default: the first the mesh covers)")
+    chat.add_argument("--max-tokens", type=int, default=64, help="longest reply in tokens (default 64)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    _add_control(chat)
+    chat.set_defaults(func=_cmd_chat)

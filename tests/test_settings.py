@@ -1,0 +1,83 @@
+"""Settings: every one described, the reference in docs generated from them, `meshd init`, and
+validation before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from meshd_relay.config import RelayConfig
+from meshd_relay.config import load_config as load_relay_config
+
+from meshd.cli.config_reference import reference
+from meshd.daemon.config import PeerConfig, load_config
+from meshd.identity import Identity
+from meshd.settings import commented_toml, described_fields
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_the_configuration_reference_is_generated_from_the_code() -> None:
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == reference(), "regenerate: python -m meshd.cli.config_reference > docs/configuration.md"
+    for cls in (PeerConfig, RelayConfig):
+        for name, _default, _text in described_fields(cls):
+            assert f"| `{name}` |" in committed
+
+
+@pytest.mark.parametrize("cls, load", [(PeerConfig, load_config), (RelayConfig, load_relay_config)])
+def test_a_commented_settings_file_reads_back_as_the_defaults(tmp_path: Path, cls, load) -> None:
+    path = tmp_path / "settings.toml"
+    path.write_text(commented_toml(cls, "header"))
+    assert load(path) == cls()
+    # and each line, uncommented alone, is a valid setting of its default value
+    for line in path.read_text().splitlines():
+        if line.startswith("# ") and " = " in line and "(not set)" not in line:
+            one = tmp_path / "one.toml"
+            one.write_text(line[2:] + "\n")
+            assert load(one) == cls(), line
+
+
+def meshd(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshd.cli.meshd_main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120, check=False)
+
+
+def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: Path) -> None:
+    run = meshd("init", "--config", "peer.toml", "--data-dir", "state", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    identity = Identity.load_or_create(tmp_path / "state")
+    assert identity.peer_id in run.stdout
+    config = load_config(tmp_path / "peer.toml")
+    assert config.data_dir == tmp_path / "state"
+    assert config == PeerConfig(data_dir=tmp_path / "state")
+    text = (tmp_path / "peer.toml").read_text()
+    for name, _default, _help in described_fields(PeerConfig):
+        assert f"{name} = " in text, f"{name} is missing from the file init writes"
+    again = meshd("init", "--config", "peer.toml", "--data-dir", "state", cwd=tmp_path)
+    assert again.returncode == 1 and "exists" in again.stderr
+    forced = meshd("init", "--config", "peer.toml", "--data-dir", "state", "--force", cwd=tmp_path)
+    assert forced.returncode == 0 and identity.peer_id in forced.stdout, "the identity is kept"
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("kv_budget = [1, 2]", "kv_budget: expected one value, not a list"),
+    ("chunk_tokens = 0", "chunk_tokens must be at least 1"),
+    ("step_timeout_s = -1", "step_timeout_s must be a positive number of seconds"),
+    ("tracker_eligible = \"maybe\"", "tracker_eligible: 'maybe' is not true or false"),
+    ("listen = \"localhost\"", "listen: bad address 'localhost'; expected HOST:PORT"),
+    ("log_format = \"xml\"", "log_format: 'xml' is not one of text, json"),
+    ("max_sessions = 2.5", "max_sessions: 2.5 is not a whole number"),
+    ("no_such_setting = 1", "unknown settings: no_such_setting"),
+    ("listen = ", "Invalid value"),
+])
+def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path, toml: str,
+                                                                          message: str) -> None:
+    (tmp_path / "bad.toml").write_text(toml + "\n")
+    run = meshd("run", "--config", "bad.toml", "--data-dir", "state", cwd=tmp_path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshd: bad configuration: ") and message in lines[0], lines
+    assert not (tmp_path / "state").exists()
