@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_comp
 from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalMeshError
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
+from meshd.progress import Progress, progress
 
 Say = Callable[[str], None]
 
@@ -107,6 +109,11 @@ def resolve_gguf(spec: str, quant: str, say: Say) -> Path:
     return path
 
 
+def _overall(meshes: int) -> AbstractContextManager[Progress]:
+    """A bar over the meshes on a terminal; off one, the bench's own lines already say each step."""
+    return progress("bench", meshes, "meshes", say=lambda _line: None)
+
+
 def _prepare(cfg: BenchConfig) -> None:
     """Check the counts and keep transformers offline and quiet (its bars would interleave with ours)."""
     if cfg.runs < 1 or cfg.new_tokens < 2 or cfg.prompt_tokens < 1:
@@ -157,14 +164,16 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     meshes: list[MeshResult] = []
     try:
-        for k in sorted(cfg.peers):
-            levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
-            mesh = _measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                 measured[0], cfg, workdir / f"peers{k}", levels, say, ["--dtype", cfg.dtype])
-            measured.append(base.measure(cfg.runs))
-            mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
-            say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
-            meshes.append(mesh)
+        with _overall(len(cfg.peers)) as bar:
+            for k in sorted(cfg.peers):
+                levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+                mesh = _measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                     measured[0], cfg, workdir / f"peers{k}", levels, say, ["--dtype", cfg.dtype])
+                measured.append(base.measure(cfg.runs))
+                mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
+                say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
+                meshes.append(mesh)
+                bar.advance(note=f"{k} peers done")
     except Exception:
         say(f"peer logs kept in {workdir}")
         raise
@@ -226,15 +235,17 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     by_path: dict[str, list[MeshResult]] = {}
     try:
-        for path, flags in GGUF_PATHS:
-            for k in sorted(cfg.peers):
-                levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
-                say(f"{path}: mesh of {k}")
-                mesh = _measure_mesh(gguf_path, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                     measured[0], cfg, workdir / f"{path}-peers{k}", levels, say, flags)
-                measured.append(base.measure(cfg.runs))
-                mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
-                by_path.setdefault(path, []).append(mesh)
+        with _overall(len(GGUF_PATHS) * len(cfg.peers)) as bar:
+            for path, flags in GGUF_PATHS:
+                for k in sorted(cfg.peers):
+                    levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+                    say(f"{path}: mesh of {k}")
+                    mesh = _measure_mesh(gguf_path, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                         measured[0], cfg, workdir / f"{path}-peers{k}", levels, say, flags)
+                    measured.append(base.measure(cfg.runs))
+                    mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
+                    by_path.setdefault(path, []).append(mesh)
+                    bar.advance(note=f"{path}, {k} peers done")
     except Exception:
         say(f"peer logs kept in {workdir}")
         raise
