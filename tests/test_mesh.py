@@ -159,9 +159,11 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     async with Transport(key) as transport:
         for signed in forged:
             await gossip(transport, target, cpb.GossipMessage(cards=[signed]))
-        after_forged = {(r["peer_id"], r["sequence"]) for r in target.get("/peers")["peers"]}
-        assert {p for p in after_forged if p[0] == me} == set()
-        assert {p for p in after_forged if p[0] != me} >= {p for p in before if p[0] != me}
+        after_forged = {r["peer_id"]: r["sequence"] for r in target.get("/peers")["peers"]}
+        assert me not in after_forged
+        # every real card is still there, at its own sequence or a newer one it issued meanwhile
+        for peer_id, sequence in before:
+            assert after_forged.get(peer_id, -1) >= sequence, (peer_id, sequence, after_forged)
         # a good card, then an older one: the replay is refused, the newer card stays
         for signed in (card(5, now + 60_000), card(4, now + 60_000)):
             await gossip(transport, target, cpb.GossipMessage(cards=[signed]))
@@ -301,32 +303,35 @@ def test_the_metrics_endpoint_moves_during_a_generation(mesh):
     assert total(before[0], "meshd_election_term") >= 1
     assert sum(total(b, "meshd_is_tracker") for b in before) == 1
     during = None
+    long = 600  # tokens: seconds of generation, so that the scrape in the middle finds it running
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": QUESTION}], temperature=0,
-                  max_tokens=N_TOKENS, extra_body={"ignore_eos": True}, stream=True)
+                  max_tokens=long, extra_body={"ignore_eos": True}, stream=True)
     for index, _chunk in enumerate(client(entry).chat.completions.create(**kwargs)):
         if index == 8:
             during = scrape(entry)
+    finished = total(before[0], "meshd_requests_total", model="tiny", outcome="finished") + 1
+
+    def settled() -> bool:  # the reply's last chunk can reach the client before the entry has counted it
+        now = scrape(entry)
+        return total(now, "meshd_requests_total", model="tiny", outcome="finished") == finished and \
+            total(now, "meshd_entry_sessions") == 0
+
+    mesh.wait_until(settled, timeout=30, what="the entry to count the finished request")
     after = [scrape(p) for p in mesh.peers[:3]]
     assert during is not None
     assert total(during, "meshd_entry_sessions") == 1, "the running generation is visible while it runs"
-    assert total(before[0], "meshd_tokens_generated_total", model="tiny") < \
-        total(during, "meshd_tokens_generated_total", model="tiny") < \
-        total(after[0], "meshd_tokens_generated_total", model="tiny")
-    assert total(after[0], "meshd_tokens_generated_total", model="tiny") - \
-        total(before[0], "meshd_tokens_generated_total", model="tiny") == N_TOKENS
-    assert total(after[0], "meshd_requests_total", model="tiny", outcome="finished") == \
-        total(before[0], "meshd_requests_total", model="tiny", outcome="finished") + 1
+    tokens = [total(x, "meshd_tokens_generated_total", model="tiny") for x in (before[0], during, after[0])]
+    assert tokens[0] < tokens[1] < tokens[2] == tokens[0] + long, tokens
     assert total(after[0], "meshd_time_to_first_token_seconds_count", model="tiny") == \
         total(before[0], "meshd_time_to_first_token_seconds_count", model="tiny") + 1
     seams = [total(a, "meshd_seam_latency_seconds_count") - total(b, "meshd_seam_latency_seconds_count")
              for a, b in zip(after, before, strict=True)]
-    assert sum(seams) >= 3 * (N_TOKENS - 1), seams  # every decode step crosses every hop's seam
+    assert sum(seams) >= 3 * (long - 1), seams  # every decode step crosses every hop's seam
     batches = [total(a, "meshd_decode_batches_total") - total(b, "meshd_decode_batches_total")
                for a, b in zip(after, before, strict=True)]
-    assert all(n >= N_TOKENS - 1 for n in batches), batches
+    assert all(n >= long - 1 for n in batches), batches
     assert total(after[0], "meshd_gossip_messages_total", direction="sent") > \
         total(before[0], "meshd_gossip_messages_total", direction="sent")
-    assert total(after[0], "meshd_entry_sessions") == 0
 
 
 def _schema(name: str) -> dict:
@@ -379,9 +384,12 @@ def test_every_meshctl_command_answers_and_its_json_matches_its_schema(mesh):
     mesh.wait_until(ended_everywhere, timeout=60, what="the cancelled session to end on every peer")
     for peer in mesh.peers[:3]:
         if peer.peer_id in route:
-            records = json.loads(meshctl(peer, "logs", "--session", request_id, "--json").stdout)
-            assert records and all(r["session"] == request_id for r in records), records
-            assert any("closed on this hop" in r["message"] for r in records), records
+            def closed(peer=peer) -> list:
+                found = json.loads(meshctl(peer, "logs", "--session", request_id, "--json").stdout)
+                return found if any("closed on this hop" in r["message"] for r in found) else []
+
+            records = mesh.wait_until(closed, timeout=30, what=f"{peer.peer_id[:8]} to log the session's end")
+            assert all(r["session"] == request_id for r in records), records
 
 
 def test_the_status_page_shows_the_mesh_in_a_real_browser(mesh):
