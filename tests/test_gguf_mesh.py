@@ -81,3 +81,49 @@ def _route_through(peer, peer_id):
     a moment after coverage)."""
     route = peer.get("/route?model=tiny-q8")
     return route if [h["peer_id"] for h in route["hops"]] == [peer_id] else None
+
+
+def test_the_llama_cpp_route_honours_seeds_stops_and_cancellation(gguf_file, expected, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import httpx2 as httpx
+
+    with LocalMesh(tmp_path) as mesh:
+        peer = mesh.start_peers([dict(model=gguf_file)])[0]
+        mesh.wait_covered("tiny-q8", timeout=60)
+        client = OpenAI(base_url=f"http://{peer.api}/v1", api_key="x", timeout=60, max_retries=0)
+
+        def sampled(seed: int) -> str:
+            reply = client.chat.completions.create(model="tiny-q8", messages=QUESTION, max_tokens=16,
+                                                   temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+            return reply.choices[0].message.content or ""
+
+        assert sampled(7) == sampled(7), "a seed gives the same reply every time"
+        assert len({sampled(s) for s in range(1, 5)}) > 1, "different seeds sample differently"
+
+        cut = expected[4:7]
+        assert len(expected) >= 8 and cut
+        stopped = client.chat.completions.create(model="tiny-q8", messages=QUESTION, max_tokens=16, temperature=0,
+                                                 stop=[cut], extra_body={"ignore_eos": True})
+        assert stopped.choices[0].message.content == expected[:expected.index(cut)]
+        assert stopped.choices[0].finish_reason == "stop"
+
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", f"http://{peer.api}/v1/chat/completions",
+                json={"model": "tiny-q8", "messages": QUESTION, "stream": True, "max_tokens": 1500,
+                      "temperature": 0, "ignore_eos": True}) as reply:
+            request_id = reply.headers["x-request-id"]
+            for index, _line in enumerate(reply.iter_lines()):
+                if index == 4:
+                    break  # the client goes away mid-generation
+
+        def released() -> bool:
+            run = subprocess.run([sys.executable, "-m", "meshd.cli.meshctl_main", "sessions", "--json",
+                                  "--control", peer.control], capture_output=True, text=True, check=True)
+            return not any(s["session_id"] == request_id for s in json.loads(run.stdout)) and \
+                peer.get("/status")["active_sessions"] == 0
+
+        mesh.wait_until(released, timeout=30, what="the cancelled session to free its llama.cpp sequence")
+        assert ask(peer, "tiny-q8", stream=True) == expected, "the peer serves on after a cancellation"
