@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error")
 RECENT_RECORDS = 2000
 CONTEXT_FIELDS = ("peer", "session", "route")
 _context: dict[str, contextvars.ContextVar[str | None]] = {
@@ -111,13 +112,13 @@ class RecentRecords(logging.Handler):
         return chosen[-lines:] if lines > 0 else []
 
 
-def configure_logging(level: str, fmt: str, quiet: tuple[str, ...] = (), peer: str | None = None,
+def configure_logging(level: str, fmt: str, quiet: tuple[str, ...] = (),
                       recent: RecentRecords | None = None) -> ContextFilter:
     """Send every record to stderr in ``fmt`` (and to ``recent``), with the context's ids attached;
     returns the filter, whose ``peer`` names this process's peer once it is known."""
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r} is not one of {', '.join(FORMATS)}")
-    context = ContextFilter(peer)
+    context = ContextFilter()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(context)

@@ -128,3 +128,21 @@ def test_every_command_and_option_says_what_it_does():
     for parser, name in ((meshd_parser(), "meshd"), (meshctl_parser(), "meshctl"), (relay_parser(), "meshd-relay")):
         walk(parser, name)
     assert silent == [], f"no --help text for: {', '.join(silent)}"
+
+
+def test_the_relay_reports_a_port_in_use_in_one_line(tmp_path):
+    import json
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, what in ((["--listen", f"127.0.0.1:{port}", "--metrics", ""], "the relay"),
+                            (["--listen", "127.0.0.1:0", "--metrics", f"127.0.0.1:{port}"], "metrics")):
+            run = subprocess.run([sys.executable, "-m", "meshd_relay.cli", *flags], capture_output=True, text=True,
+                                 cwd=tmp_path, timeout=60, check=False)
+            assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+            last = json.loads(run.stderr.strip().splitlines()[-1])
+            assert last["msg"] == "relay stopped"
+            assert last["error"] == f"cannot listen for {what} on 127.0.0.1:{port}: Address already in use"

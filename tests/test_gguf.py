@@ -112,14 +112,16 @@ def test_a_truncated_gguf_is_refused_clearly(files, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("llama.cpp", marks=native)])
-def test_bytes_changed_after_hashing_are_refused_at_load(files, tmp_path, backend):
+@pytest.mark.parametrize("tensor, layers", [("blk.2.ffn_down.weight", (2, 4)),
+                                            ("token_embd.weight", (0, 2))])  # the head reads it itself
+def test_bytes_changed_after_hashing_are_refused_at_load(files, tmp_path, backend, tensor, layers):
     copy = tmp_path / "tiny.gguf"
     shutil.copyfile(files["q8_0"], copy)
     model_dir = gguf_model_dir(copy, tmp_path / "cache")
     numerics = choose_numerics(model_dir, backend=backend).numerics
     info = describe_model(model_dir, numerics=numerics)
     reader = open_gguf(copy)
-    victim = next(t for t in reader.tensors if t.name == "blk.2.ffn_down.weight")
+    victim = next(t for t in reader.tensors if t.name == tensor)
     offset = int(victim.data_offset) + 5
     del reader
     with copy.open("r+b") as f:
@@ -128,7 +130,7 @@ def test_bytes_changed_after_hashing_are_refused_at_load(files, tmp_path, backen
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ModelFormatError, match="does not match the checkpoint's manifest"):
-        open_shard(model_dir, 2, 4, numerics=numerics, manifest=info.manifest)
+        open_shard(model_dir, *layers, numerics=numerics, manifest=info.manifest)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("llama.cpp", marks=native)])

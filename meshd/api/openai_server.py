@@ -42,7 +42,7 @@ from meshd.api.backend import (
 from meshd.api.errors import ApiError, BadRequest, InternalError, ModelNotFound, PayloadTooLarge
 from meshd.api.stops import StopMatcher
 from meshd.api.validation import ParsedRequest, decode_json_object, parse_chat, parse_completion
-from meshd.errors import ErrorCode
+from meshd.errors import ErrorCode, ListenError, first_leaf
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +385,23 @@ async def serve_api(
     """Serve the API until cancelled; reports the bound port (useful with port 0) once listening."""
     app = build_app(backend, max_body_bytes=max_body_bytes)
     await serve_asgi(app, listen, "meshd.api.http", task_status=task_status)
+
+
+async def start_listener(nursery: trio.Nursery, what: str, address: Address | str, serve: Callable[..., Any],
+                         *args: Any) -> Any:
+    """``nursery.start(serve, *args)`` for a task that opens a listener at ``address``; a socket error
+    (port in use, address not on this machine) becomes one ``ListenError`` line naming ``what``."""
+    try:
+        return await nursery.start(serve, *args)
+    except OSError as exc:
+        raise ListenError(f"cannot listen for {what} on {address}: {exc.strerror or exc}") from None
+    except BaseExceptionGroup as group:
+        found = group.subgroup(OSError)
+        if found is None:
+            raise
+        leaf = first_leaf(found)
+        reason = leaf.strerror if isinstance(leaf, OSError) and leaf.strerror else str(leaf)
+        raise ListenError(f"cannot listen for {what} on {address}: {reason}") from None
 
 
 async def serve_asgi(

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -109,6 +110,41 @@ def resolve_gguf(spec: str, quant: str, say: Say) -> Path:
     return path
 
 
+class _Measures(Protocol):
+    def measure(self, runs: int) -> BaselineResult: ...
+
+
+def _bracketed_meshes(setups: list[tuple[str, list[str]]], model: Path, model_id: str, n_layers: int,
+                      prompt: Prompt, expected: str, base: _Measures, measured: list[BaselineResult],
+                      cfg: BenchConfig, say: Say) -> dict[str, list[MeshResult]]:
+    """Each setup (a label and the peers' flags) as a mesh of every peer count, each followed by baseline
+    runs, so that a mesh's ratio uses the baseline measured just before and just after it (appended to
+    ``measured``). A failure keeps the peers' logs and says where."""
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+    out: dict[str, list[MeshResult]] = {}
+    try:
+        with _overall(len(setups) * len(cfg.peers)) as bar:
+            for label, flags in setups:
+                for k in sorted(cfg.peers):
+                    levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+                    if label:
+                        say(f"{label}: mesh of {k}")
+                    mesh = _measure_mesh(model, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                                         measured[0], cfg, workdir / f"{label + '-' if label else ''}peers{k}",
+                                         levels, say, flags)
+                    measured.append(base.measure(cfg.runs))
+                    mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
+                    say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
+                    out.setdefault(label, []).append(mesh)
+                    bar.advance(note=f"{label + ', ' if label else ''}{k} peers done")
+    except Exception:
+        say(f"peer logs kept in {workdir}")
+        raise
+    if cfg.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
 def _overall(meshes: int) -> AbstractContextManager[Progress]:
     """A bar over the meshes on a terminal; off one, the bench's own lines already say each step."""
     return progress("bench", meshes, "meshes", say=lambda _line: None)
@@ -161,24 +197,8 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
     say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
 
-    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
-    meshes: list[MeshResult] = []
-    try:
-        with _overall(len(cfg.peers)) as bar:
-            for k in sorted(cfg.peers):
-                levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
-                mesh = _measure_mesh(model_dir, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                     measured[0], cfg, workdir / f"peers{k}", levels, say, ["--dtype", cfg.dtype])
-                measured.append(base.measure(cfg.runs))
-                mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
-                say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
-                meshes.append(mesh)
-                bar.advance(note=f"{k} peers done")
-    except Exception:
-        say(f"peer logs kept in {workdir}")
-        raise
-    if cfg.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
+    meshes = _bracketed_meshes([("", ["--dtype", cfg.dtype])], model_dir, model_id, n_layers, prompt, expected,
+                               base, measured, cfg, say)[""]
     baseline = _pooled(measured)
 
     meta = {
@@ -232,25 +252,8 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
     measured = [base.measure(cfg.runs)]
     expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
     say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
-    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
-    by_path: dict[str, list[MeshResult]] = {}
-    try:
-        with _overall(len(GGUF_PATHS) * len(cfg.peers)) as bar:
-            for path, flags in GGUF_PATHS:
-                for k in sorted(cfg.peers):
-                    levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
-                    say(f"{path}: mesh of {k}")
-                    mesh = _measure_mesh(gguf_path, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                         measured[0], cfg, workdir / f"{path}-peers{k}", levels, say, flags)
-                    measured.append(base.measure(cfg.runs))
-                    mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
-                    by_path.setdefault(path, []).append(mesh)
-                    bar.advance(note=f"{path}, {k} peers done")
-    except Exception:
-        say(f"peer logs kept in {workdir}")
-        raise
-    if cfg.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
+    by_path = _bracketed_meshes(list(GGUF_PATHS), gguf_path, model_id, n_layers, prompt, expected, base, measured,
+                                cfg, say)
     reference = base.generate(AGREEMENT_STEPS)
     base.close()
     say(f"top-1 agreement: the torch path teacher-forced over llama.cpp's {AGREEMENT_STEPS} greedy tokens")

@@ -76,8 +76,7 @@ def _reach(peer: dict) -> str:
 def _cmd_peers(args: argparse.Namespace) -> int:
     peers = control_get(args, "/peers")["peers"]
     if args.json:
-        print(json.dumps(peers, indent=2))
-        return 0
+        return _print_json(peers)
     rows = []
     for p in peers:
         models = ", ".join(f"{m['model_id']}[{m['start']},{m['end']})" if m.get("end") else f"{m['model_id']}[-]"
@@ -97,8 +96,7 @@ def _cmd_peers(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     status = control_get(args, "/status")
     if args.json:
-        print(json.dumps(status, indent=2))
-        return 0
+        return _print_json(status)
     for key, value in status.items():
         print(f"{key:>18}: {json.dumps(value) if isinstance(value, dict | list) else value}")
     return 0
@@ -107,8 +105,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_route(args: argparse.Namespace) -> int:
     route = control_get(args, f"/route?model={urllib.parse.quote(args.model)}")
     if args.json:
-        print(json.dumps(route, indent=2))
-        return 0
+        return _print_json(route)
     print(f"model {route['model']} (compat {route['compat_key']}), epoch {route['epoch']}, "
           f"planned by {route['planned_by']}, estimated {route['cost_ms']:.2f} ms/token")
     rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['seam_ms']:.3f}",
@@ -131,7 +128,9 @@ def _listing(args: argparse.Namespace, name: str, empty: str) -> list[dict] | No
 
 def _cmd_models(args: argparse.Namespace) -> int:
     models = _listing(args, "models", "the mesh offers no model yet")
-    for m in models or []:
+    if models is None:
+        return 0
+    for m in models:
         gaps = ", ".join(f"[{a},{b})" for a, b in m["missing"])
         state = "covered" if m["covered"] else f"NOT COVERED, missing {gaps}"
         print(f"{m['model']}: {m['n_layers']} layers, {state}, {len(m['holders'])} peers")

@@ -13,6 +13,7 @@ import trio
 from meshd.cli.signals import run_until_signalled
 from meshd.errors import reportable
 from meshd.logs import FORMATS as LOG_FORMATS
+from meshd.logs import LEVELS as LOG_LEVELS
 from meshd.logs import RecentRecords, configure_logging
 
 # Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default); off: never; always: every bundle of 64 KiB or more")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
-    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+    run.add_argument("--log-level", choices=LOG_LEVELS,
                      help="least severe records logged (default info)")
     run.add_argument("--log-format", choices=list(LOG_FORMATS),
                      help="text (default): lines for people; json: one object per line with the peer, session and "

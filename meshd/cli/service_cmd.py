@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshd.service.plan import PLATFORMS, Installation, ServiceError
+from meshd.service.plan import PLATFORMS, Installation, ServiceError, current_platform
 
 
 def add_service_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +57,7 @@ def _cmd_service(args: argparse.Namespace) -> int:
             if args.dry_run:
                 print(plan.describe())
                 return 0
-            if inst.platform != _this_platform():
+            if inst.platform != current_platform():
                 raise ServiceError(f"this machine is not {inst.platform}; use --dry-run to see the files")
             apply(plan, lambda line: print(line, file=sys.stderr))
             return 0
@@ -71,8 +71,3 @@ def _cmd_service(args: argparse.Namespace) -> int:
         print(f"meshctl: {exc}", file=sys.stderr)
         return 1
 
-
-def _this_platform() -> str:
-    from meshd.service.plan import current_platform
-
-    return current_platform()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
+from meshd.logs import FORMATS, LEVELS
 from meshd.settings import layered_settings, parse_size, setting, setting_list
 
 
@@ -122,8 +123,8 @@ _CONVERTERS: dict[str, Any] = {
     "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
     "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
-    "log_level": lambda v: _choice(v, ("debug", "info", "warning", "error")),
-    "log_format": lambda v: _choice(v, ("text", "json")),
+    "log_level": lambda v: _choice(v, LEVELS),
+    "log_format": lambda v: _choice(v, FORMATS),
 }
 
 

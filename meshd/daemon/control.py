@@ -35,8 +35,10 @@ def build_control_app(peer: Peer) -> Starlette:
     async def sessions(_request: Request) -> JSONResponse:
         return JSONResponse({"sessions": sessions_table(peer)})
 
+    page_html = STATUS_PAGE.read_text()
+
     async def page(_request: Request) -> HTMLResponse:
-        return HTMLResponse(STATUS_PAGE.read_text())
+        return HTMLResponse(page_html)
 
     async def events(_request: Request) -> JSONResponse:
         return JSONResponse({"events": list(peer.metrics.events)})

@@ -15,22 +15,22 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import trio
 
 from meshd import __version__
 from meshd.address import Address
-from meshd.api.openai_server import build_app, serve_asgi
+from meshd.api.openai_server import build_app, serve_asgi, start_listener
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
 from meshd.daemon.control_plane import ControlPlane
 from meshd.daemon.reachability import Reachability
 from meshd.daemon.status import peer_status
-from meshd.errors import ListenError, MeshError, first_leaf
+from meshd.errors import MeshError
 from meshd.files import write_atomically
 from meshd.identity import Identity
 from meshd.logs import RecentRecords
@@ -220,18 +220,18 @@ class Peer:
         now = time.time()
         host = self.served.host if self.served is not None else None
         shard = host.shard if host is not None else None
-        members = [s.name.lower() for s in self.control.gossip.members().values()]
+        members = Counter(s.name.lower() for s in self.control.gossip.members().values())
         cards = self.control.view.cards()
-        links = [self.transport.connection_route(p) for p in cards if p != self.peer_id]
+        links = Counter(self.transport.connection_route(p) for p in cards if p != self.peer_id)
         return Levels(
             hop_sessions=self.hops.active_sessions, entry_sessions=self.entry.running if self.entry else 0,
             queued_steps=self.hops.queued, kv_bytes=shard.kv.used_bytes if shard is not None else 0,
             kv_budget_bytes=self.config.kv_budget,
             decode_tok_s=self.served.decode_tok_s if self.served is not None else 0.0,
-            cards=len(cards), members={state: members.count(state) for state in set(members)},
+            cards=len(cards), members=dict(members),
             election_term=self.control.election.term(now) or 0,
             is_tracker=self.control.election.tracker(now) == self.peer_id,
-            links={route: links.count(route) for route in ("direct", "relay")},
+            links={route: links[route] for route in ("direct", "relay")},
             relays_registered=sum(1 for r in self.reachability.registrations if r.registered),
             decode_batches=dict(host.batcher.stats.batch_sizes) if host is not None else {})
 
@@ -243,7 +243,7 @@ class Peer:
             async with self.transport, trio.open_nursery() as nursery:
                 self._nursery = nursery
                 listen = Address.parse(cfg.listen)
-                port = await _start_listener(nursery, "the peer transport", listen, self.transport.serve, listen,
+                port = await start_listener(nursery, "the peer transport", listen, self.transport.serve, listen,
                                              self.handle_stream)
                 self.bound.listen = str(listen.with_port(port))
                 if not cfg.advertise:
@@ -257,16 +257,16 @@ class Peer:
                     backend = MeshBackend(self.control.view, self.routes, self.entry, self.files,
                                           leaving=lambda: self.leaving)
                     api = Address.parse(cfg.api)
-                    api_port = await _start_listener(nursery, "the OpenAI API", api, serve_asgi, build_app(backend),
+                    api_port = await start_listener(nursery, "the OpenAI API", api, serve_asgi, build_app(backend),
                                                      api, "meshd.api.http")
                     self.bound.api = str(api.with_port(api_port))
                     control = Address.parse(cfg.control)
-                    control_port = await _start_listener(nursery, "the control API", control, serve_asgi,
+                    control_port = await start_listener(nursery, "the control API", control, serve_asgi,
                                                          build_control_app(self), control, "meshd.control.http")
                     self.bound.control = str(control.with_port(control_port))
                     if cfg.metrics:
                         metrics = Address.parse(cfg.metrics)
-                        metrics_port = await _start_listener(nursery, "metrics", metrics, serve_asgi,
+                        metrics_port = await start_listener(nursery, "metrics", metrics, serve_asgi,
                                                              metrics_app(self.metrics.registry), metrics,
                                                              "meshd.metrics.http")
                         self.bound.metrics = str(metrics.with_port(metrics_port))
@@ -286,19 +286,4 @@ class Peer:
         finally:
             if self.served is not None:
                 self.served.host.close()  # its compute thread, with the OpenMP team it holds
-
-
-async def _start_listener(nursery: trio.Nursery, what: str, address: Address, serve: Any, *args: Any) -> int:
-    """Start a listener task and return its port; a socket error becomes one line naming the listener."""
-    try:
-        return int(await nursery.start(serve, *args))
-    except OSError as exc:
-        raise ListenError(f"cannot listen for {what} on {address}: {exc.strerror or exc}") from None
-    except BaseExceptionGroup as group:
-        found = group.subgroup(OSError)
-        if found is None:
-            raise
-        leaf = first_leaf(found)
-        reason = leaf.strerror if isinstance(leaf, OSError) and leaf.strerror else str(leaf)
-        raise ListenError(f"cannot listen for {what} on {address}: {reason}") from None
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 from meshd.errors import ErrorCode, MeshError
-from meshd.files import write_atomically
+from meshd.files import staged_directory
 from meshd.models.text import TextCodec
 from meshd.rpc import RpcFailed, call
 from meshd.runtime.model_info import CONFIG_FILES, TOKENIZER_FILES, ModelInfo, compat_key_of, read_small_files
@@ -139,12 +138,8 @@ def _stored_is_valid(directory: Path, compat_key: str) -> bool:
 def _store(directory: Path, files: dict[str, bytes], architecture: str, weights_digest: str,
            numerics: str) -> None:
     """Write checked files into a staging directory, then move it into place whole."""
-    staging = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name, data in files.items():
-        write_atomically(staging / name, data)
-    write_atomically(staging / SOURCE_FILE, json.dumps({"architecture": architecture, "weights_digest": weights_digest,
-                                                        "numerics": numerics}))
-    shutil.rmtree(directory, ignore_errors=True)
-    staging.rename(directory)
+    with staged_directory(directory) as staging:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        (staging / SOURCE_FILE).write_text(json.dumps({"architecture": architecture,
+                                                       "weights_digest": weights_digest, "numerics": numerics}))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from meshd.errors import ModelFormatError
-from meshd.runtime.manifest import Manifest, TensorEntry
+from meshd.runtime.manifest import Manifest, TensorEntry, verify_tensor
 
 GGUF_FILE = "model.gguf"  # the link to the GGUF file inside a GGUF model's directory
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> GGUF arch
@@ -51,16 +51,31 @@ def quantization_of(reader: Any) -> str:
     return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
 
 
+def raw_bytes(t: Any) -> np.ndarray:
+    """A GGUF tensor's bytes as stored (quantized blocks included), flat."""
+    return np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
+
+
+def checked_tensor(t: Any, manifest: Manifest | None) -> Any:
+    """``t`` once its bytes are what ``manifest`` lists for it (no check without a manifest)."""
+    if manifest is not None:
+        entry = manifest.tensors.get(str(t.name))
+        if entry is None:
+            raise ModelFormatError(f"tensor {t.name!r} is not in the checkpoint's manifest")
+        verify_tensor(entry, raw_bytes(t).data)
+    return t
+
+
 def hash_gguf(path: Path) -> list[TensorEntry]:
     """Every tensor of a GGUF file with its stored type, shape (Hugging Face order) and byte hash."""
     reader = open_gguf(path)
     entries = []
     for t in reader.tensors:
-        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
+        raw = raw_bytes(t)
         if raw.size != int(t.n_bytes):
             raise ModelFormatError(f"{path} is truncated inside tensor {t.name!r}")
         entries.append(TensorEntry(str(t.name), t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                                   hashlib.sha256(memoryview(raw)).hexdigest(), int(t.n_bytes)))
+                                   hashlib.sha256(raw.data).hexdigest(), int(t.n_bytes)))
     return entries
 
 
@@ -123,13 +138,7 @@ class GgufIndex:
             t = self.tensors.get(name)
             if t is None:
                 raise ModelFormatError(f"tensor {name!r} is not in the GGUF file {self.path.name}")
-            data = t.data
-            if self.manifest is not None:
-                expected = self.manifest.tensors.get(str(t.name))
-                raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-                if expected is None or expected.sha256 != hashlib.sha256(memoryview(raw)).hexdigest():
-                    raise ModelFormatError(f"tensor {t.name!r} does not match the checkpoint's manifest "
-                                           "(the file changed or is damaged since it was hashed)")
+            data = checked_tensor(t, self.manifest).data
             try:
                 weights = quants.dequantize(data, t.tensor_type)
             except NotImplementedError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 from collections.abc import Callable
 
@@ -20,13 +21,13 @@ def _run(argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
 
 def run_step(step: Step, say: Say) -> None:
     if step.unless and _run(step.unless).returncode == 0:
-        say(f"skip {step.argv[0]}: `{' '.join(step.unless)}` succeeded")
+        say(f"skip {step.argv[0]}: `{shlex.join(step.unless)}` succeeded")
         return
-    say(f"run {' '.join(step.argv)}")
+    say(f"run {shlex.join(step.argv)}")
     result = _run(step.argv)
     if result.returncode != 0 and not step.may_fail:
         detail = (result.stderr or result.stdout).strip().splitlines()
-        raise ServiceError(f"`{' '.join(step.argv)}` failed (exit {result.returncode})"
+        raise ServiceError(f"`{shlex.join(step.argv)}` failed (exit {result.returncode})"
                            + (f": {detail[-1]}" if detail else ""))
 
 

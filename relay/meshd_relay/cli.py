@@ -10,6 +10,9 @@ from pathlib import Path
 import trio
 
 from meshd.cli.signals import run_until_signalled
+from meshd.errors import reportable
+from meshd.logs import FORMATS as LOG_FORMATS
+from meshd.logs import LEVELS as LOG_LEVELS
 from meshd.logs import configure_logging as _configure
 from meshd_relay.config import RelayConfig, load_config
 from meshd_relay.server import RelayServer
@@ -37,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message", dest="max_message_bytes", metavar="SIZE", help="largest WebSocket message")
     p.add_argument("--allow-peer", dest="allow_peers", action="append", metavar="PEER_ID",
                    help="only these peers may register (repeatable)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+    p.add_argument("--log-level", choices=LOG_LEVELS,
                    help="least severe records logged (default info)")
-    p.add_argument("--log-format", choices=["json", "text"],
+    p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="json (default): one object per line; text: lines for people")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON once listening")
     return p
@@ -58,8 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     server = RelayServer(config)
     try:
         trio.run(run_until_signalled, server.serve, logging.getLogger("meshd.relay"))
-    except OSError as exc:
-        logging.getLogger("meshd.relay").error("relay stopped", extra={"fields": {"error": str(exc)}})
+    except BaseException as exc:  # only OS and meshd errors are reported in one line; the rest re-raised
+        error = reportable(exc)
+        if error is None:
+            raise
+        logging.getLogger("meshd.relay").error("relay stopped", extra={"fields": {"error": str(error)}})
         sys.exit(1)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
+from meshd.logs import FORMATS, LEVELS
 from meshd.settings import layered_settings, parse_size, setting, setting_list
 
 
@@ -44,8 +45,10 @@ class RelayConfig:
             raise ValueError("bandwidth_burst_bytes must hold at least one message of max_message_bytes")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
-        if self.log_format not in ("json", "text"):
-            raise ValueError("log_format is 'json' or 'text'")
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format is one of {', '.join(FORMATS)}, not {self.log_format!r}")
+        if self.log_level not in LEVELS:
+            raise ValueError(f"log_level is one of {', '.join(LEVELS)}, not {self.log_level!r}")
 
 
 _CONVERTERS: dict[str, Any] = {

@@ -25,6 +25,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from meshd.address import Address
+from meshd.api.openai_server import serve_asgi, start_listener
 from meshd.files import write_atomically
 from meshd.transport.relay import (
     ACCEPT_PREFIX,
@@ -97,7 +98,8 @@ class RelayServer:
         cfg = self.config
         listen = Address.parse(cfg.listen)
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(
+            server = await start_listener(
+                nursery, "the relay", listen,
                 lambda task_status: serve_websocket(
                     self._handle, listen.host, listen.port, None, handler_nursery=nursery,
                     max_message_size=cfg.max_message_bytes, receive_buffer_size=64 * 1024,
@@ -105,12 +107,12 @@ class RelayServer:
             self.port = int(server.port)
             metrics: Address | None = None
             if cfg.metrics:
-                from meshd.api.openai_server import serve_asgi
                 from meshd.metrics import metrics_app
 
                 metrics = Address.parse(cfg.metrics)
                 app = metrics_app(self.metrics.registry)
-                self.metrics_port = await nursery.start(serve_asgi, app, metrics, "meshd.relay.metrics")
+                self.metrics_port = await start_listener(nursery, "metrics", metrics, serve_asgi, app, metrics,
+                                                         "meshd.relay.metrics")
                 metrics = metrics.with_port(self.metrics_port)
             _event("info", "relay listening", listen=str(listen.with_port(self.port)),
                    metrics=str(metrics) if metrics is not None else None)

@@ -20,7 +20,8 @@ import numpy as np
 
 from meshd.errors import ModelFormatError
 from meshd.files import staged_file
-from meshd.runtime.manifest import Manifest, verify_tensor
+from meshd.runtime.gguf_checkpoint import checked_tensor
+from meshd.runtime.manifest import Manifest
 
 SMALL_VOCAB = 8
 
@@ -57,16 +58,7 @@ def range_file(source: Path, start: int, end: int, cache_dir: Path, manifest: Ma
 
 def _verify_all(reader: Any, manifest: Manifest) -> None:
     for t in reader.tensors:
-        _checked(t, manifest)
-
-
-def _checked(t: Any, manifest: Manifest | None) -> Any:
-    if manifest is not None:
-        entry = manifest.tensors.get(str(t.name))
-        if entry is None:
-            raise ModelFormatError(f"tensor {t.name!r} is not in the checkpoint's manifest")
-        verify_tensor(entry, memoryview(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)))
-    return t
+        checked_tensor(t, manifest)
 
 
 def _write_range(reader: Any, start: int, end: int, tail: bool, out: Path, manifest: Manifest | None) -> None:
@@ -103,7 +95,7 @@ def _write_range(reader: Any, start: int, end: int, tail: bool, out: Path, manif
             elif not tail and name in ("token_embd.weight", "output.weight"):
                 writer.add_tensor(name, np.zeros((SMALL_VOCAB, n_embd), np.float32))
                 continue
-            _checked(t, manifest)
+            checked_tensor(t, manifest)
             writer.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from meshd.errors import ModelFormatError
-from meshd.runtime.gguf_checkpoint import GgufIndex
+from meshd.runtime.gguf_checkpoint import GgufIndex, checked_tensor
 from meshd.runtime.kv import SessionKey, SessionKV
 from meshd.runtime.llamacpp.engine import EngineOptions, RangeEngine
 from meshd.runtime.llamacpp.range_file import range_file
@@ -87,6 +87,8 @@ class LlamaCppShard(Shard):
         self._embedding = index.tensors.get(a.embed_tensor) if spec.is_head else None
         if spec.is_head and self._embedding is None:
             raise ModelFormatError(f"the GGUF file has no {a.embed_tensor!r} (token_embd) tensor")
+        if self._embedding is not None:  # read here, not from the range file: checked here
+            checked_tensor(self._embedding, index.manifest)
         self._range_path = range_file(index.path.resolve(), spec.start, spec.end, self.model_dir / RANGES_DIR,
                                       index.manifest)
         self._range_names = [n for n in index.tensors if self._owns(n)]
