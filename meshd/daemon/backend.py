@@ -61,6 +61,7 @@ class MeshBackend:
         started = time.monotonic()
         outcome = "cancelled"
         first = True
+        tokens = metrics.tokens.labels(model)  # looked up once per request, counted per token
         events = self._generate(req)
         try:
             async for event in events:
@@ -68,7 +69,7 @@ class MeshBackend:
                     if first:
                         metrics.ttft.labels(model).observe(time.monotonic() - started)
                         first = False
-                    metrics.tokens.labels(model).inc()
+                    tokens.inc()
                 elif isinstance(event, Finished):
                     outcome = "finished"  # the API may close this generator once it has the last event
                 yield event

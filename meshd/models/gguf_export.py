@@ -29,10 +29,11 @@ import numpy as np
 from meshd.errors import ModelFormatError
 from meshd.files import staged_file
 from meshd.progress import progress as progress_of
+from meshd.runtime.gguf_checkpoint import SUPPORTED
 from meshd.runtime.loader import SafetensorsIndex, load_config
 
 QUANTS = ("f32", "f16", "q8_0", "q4_k")
-EXPORTABLE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> GGUF arch
+EXPORTABLE = SUPPORTED  # model_type -> GGUF arch: what meshd writes is what it reads
 
 Say = Callable[[str], None]
 

@@ -24,7 +24,6 @@ from meshd.runtime.manifest import Manifest, TensorEntry, verify_tensor
 
 GGUF_FILE = "model.gguf"  # the link to the GGUF file inside a GGUF model's directory
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> GGUF arch
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def open_gguf(path: Path) -> Any:
@@ -106,13 +105,11 @@ class GgufIndex:
             skeleton = AutoModelForCausalLM.from_config(config)
         to_hf = get_gguf_hf_weights_map(skeleton, self.processor, model_type=arch)
         self.tensors: dict[str, Any] = {}
-        self.gguf_names: dict[str, str] = {}
         for t in self.reader.tensors:
             hf = to_hf.get(str(t.name))
             if hf is None:
                 continue  # tables llama.cpp keeps that a torch shard does not use (rope_freqs ...)
             self.tensors[hf] = t
-            self.gguf_names[hf] = str(t.name)
         self.files = {name: self.path for name in self.tensors}
 
     def __contains__(self, name: str) -> bool:
@@ -124,9 +121,6 @@ class GgufIndex:
     def entry(self, name: str) -> dict[str, object]:
         t = self.tensors[name]
         return {"dtype": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape)], "nbytes": int(t.n_bytes)}
-
-    def stored_float_dtype(self, name: str) -> torch.dtype | None:
-        return FLOAT_TYPES.get(self.tensors[name].tensor_type.name)
 
     def load(self, names: Iterable[str], dtype: torch.dtype,
              device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -179,24 +179,18 @@ class Shard:
 
     def parameter_bytes(self) -> int:
         """Bytes of every weight this shard holds (embedding, layers, norm, head)."""
-        seen: set[int] = set()
-        total = 0
-        for module in (self.embed, self.layers, self.norm, self.lm_head):
-            if module is None:
-                continue
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    total += p.numel() * p.element_size()
-        return total
+        return sum(p.numel() * p.element_size() for _name, p in self.weight_tensors())
 
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight this shard computes with, by name (what the doctor checks)."""
+        """Every weight this shard computes with, by name, each once (a tied head is the embedding's)."""
+        seen: set[int] = set()
         for prefix, module in (("embed", self.embed), ("layers", self.layers), ("norm", self.norm),
                                ("lm_head", self.lm_head)):
             if module is not None:
-                for name, p in module.named_parameters():
-                    yield f"{prefix}.{name}", p
+                for name, p in module.named_parameters(remove_duplicate=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield f"{prefix}.{name}", p
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token of a session takes on this shard: keys and values of every owned layer."""

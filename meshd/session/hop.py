@@ -304,6 +304,8 @@ class HopService:
 
     async def _pump(self, stream: MessageStream, session: HopSession, downstream: MessageStream | None) -> None:
         first_hop = session.open.hop_index == 0
+        live = self.live.get(session.key)
+        seam_seconds = self.metrics.seam.labels("entry" if first_hop else "hop")  # looked up once per session
         while True:
             raw = await stream.receive_message()
             if raw is None:
@@ -314,7 +316,6 @@ class HopService:
                 return
             decoding = bundle.phase == Phase.DECODE
             if decoding:
-                live = self.live.get((session.open.session_id, session.open.epoch))
                 if live is not None:
                     live.steps += 1
                 self.stats.deserialize_ms.append((time.perf_counter() - parse_started) * 1000)
@@ -324,7 +325,7 @@ class HopService:
                     self.stats.prefill_seam_ms.append(crossed)
                 else:
                     (self.stats.entry_seam_ms if first_hop else self.stats.seam_ms).append(crossed)
-                    self.metrics.seam.labels("entry" if first_hop else "hop").observe(crossed / 1000)
+                    seam_seconds.observe(crossed / 1000)
                     self.stats.seam_bytes.append(len(raw))
             await self._perform(session, session.on_bundle(bundle), downstream)
 

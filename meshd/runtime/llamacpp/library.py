@@ -38,12 +38,6 @@ def available() -> bool:
     return True
 
 
-def version() -> str:
-    import llama_cpp
-
-    return str(llama_cpp.__version__)
-
-
 def library() -> Any:
     """The ``llama_cpp`` module, with the backend initialised and its logs routed to ours."""
     with _LOCK:
