@@ -61,6 +61,9 @@ def test_a_tensor_full_of_nan_is_named(copy):
     rewrite(copy, lambda t: t[VICTIM].fill_(float("nan")))
     report = run_doctor(copy, (1, 2), "auto", "cpu")
     assert not report.ok and "not finite" in report.error and "up_proj" in report.error
+    # the report keeps what passed before the failure, and the failing check itself
+    by_name = {c.name: c.ok for c in report.checks}
+    assert by_name["layers [1, 2) load"] is True and by_name["weights are finite"] is False
 
 
 def test_a_config_that_does_not_match_the_weights_is_named(copy):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,24 +75,35 @@ class Baseline:
     def measure(self, runs: int) -> BaselineResult:
         import torch
 
-        runs_tok_s: list[float] = []
-        runs_ttft_ms: list[float] = []
-        for _ in range(runs):
+        def once() -> tuple[list[int], list[float], float]:
             stamps = _Timestamps()
             started = time.perf_counter()
             out = self._generate(self.new_tokens, stamps)
-            ids = out[0, len(self.prompt_ids):].tolist()
-            if self.token_ids is not None and ids != self.token_ids:
-                raise RuntimeError("greedy baseline generation is not deterministic across runs")
-            self.token_ids = ids
-            runs_ttft_ms.append((stamps.times[0] - started) * 1000)
-            span = stamps.times[-1] - stamps.times[0]
-            runs_tok_s.append((len(stamps.times) - 1) / span if span > 0 else 0.0)
-        assert self.token_ids is not None
-        return BaselineResult(
-            token_ids=self.token_ids, decode_tok_s=statistics.median(runs_tok_s),
-            ttft_ms=statistics.median(runs_ttft_ms), runs_tok_s=runs_tok_s, runs_ttft_ms=runs_ttft_ms,
-            rss_mb=psutil.Process().memory_info().rss / 2**20, model_bytes=self.model_bytes,
-            torch_threads=torch.get_num_threads(),
-        )
+            return out[0, len(self.prompt_ids):].tolist(), stamps.times, started
 
+        result = measure_runs(once, runs, self.token_ids, self.model_bytes, torch.get_num_threads())
+        self.token_ids = result.token_ids
+        return result
+
+
+def measure_runs(once: Callable[[], tuple[list[int], list[float], float]], runs: int,
+                 expected: list[int] | None, model_bytes: int, threads: int) -> BaselineResult:
+    """``runs`` greedy generations by ``once`` (token ids, each token's arrival time, the start time),
+    checked to give the same tokens every time (and ``expected``, when given); medians of the runs."""
+    runs_tok_s: list[float] = []
+    runs_ttft_ms: list[float] = []
+    token_ids = expected
+    for _ in range(runs):
+        ids, stamps, started = once()
+        if token_ids is not None and ids != token_ids:
+            raise RuntimeError("the baseline's greedy generation is not deterministic across runs")
+        token_ids = ids
+        runs_ttft_ms.append((stamps[0] - started) * 1000)
+        span = stamps[-1] - stamps[0]
+        runs_tok_s.append((len(stamps) - 1) / span if span > 0 else 0.0)
+    assert token_ids is not None
+    return BaselineResult(
+        token_ids=token_ids, decode_tok_s=statistics.median(runs_tok_s), ttft_ms=statistics.median(runs_ttft_ms),
+        runs_tok_s=runs_tok_s, runs_ttft_ms=runs_ttft_ms, rss_mb=psutil.Process().memory_info().rss / 2**20,
+        model_bytes=model_bytes, torch_threads=threads,
+    )

@@ -10,14 +10,12 @@ meshd's torch path picks llama.cpp's token, teacher-forced over llama.cpp's own 
 from __future__ import annotations
 
 import ctypes
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
-from meshd.bench.baseline import BaselineResult
+from meshd.bench.baseline import BaselineResult, measure_runs
 
 
 class LlamaCppBaseline:
@@ -78,25 +76,14 @@ class LlamaCppBaseline:
         return out
 
     def measure(self, runs: int) -> BaselineResult:
-        runs_tok_s: list[float] = []
-        runs_ttft_ms: list[float] = []
-        for _ in range(runs):
+        def once() -> tuple[list[int], list[float], float]:
             stamps: list[float] = []
             started = time.perf_counter()
-            ids = self.generate(self.new_tokens, stamps)
-            if self.token_ids is not None and ids != self.token_ids:
-                raise RuntimeError("llama.cpp's greedy generation is not deterministic across runs")
-            self.token_ids = ids
-            runs_ttft_ms.append((stamps[0] - started) * 1000)
-            span = stamps[-1] - stamps[0]
-            runs_tok_s.append((len(stamps) - 1) / span if span > 0 else 0.0)
-        assert self.token_ids is not None
-        return BaselineResult(
-            token_ids=self.token_ids, decode_tok_s=statistics.median(runs_tok_s),
-            ttft_ms=statistics.median(runs_ttft_ms), runs_tok_s=runs_tok_s, runs_ttft_ms=runs_ttft_ms,
-            rss_mb=psutil.Process().memory_info().rss / 2**20, model_bytes=self.model_bytes,
-            torch_threads=self.threads,
-        )
+            return self.generate(self.new_tokens, stamps), stamps, started
+
+        result = measure_runs(once, runs, self.token_ids, self.model_bytes, self.threads)
+        self.token_ids = result.token_ids
+        return result
 
     def close(self) -> None:
         self.lib.llama_free(self.ctx)

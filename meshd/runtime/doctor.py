@@ -41,9 +41,10 @@ class Check:
     detail: str = ""
 
 
-def check_shard(shard: Shard) -> list[Check]:
-    """Run the checks; raises :class:`ShardCheckFailed` naming the first that failed."""
-    checks: list[Check] = []
+def check_shard(shard: Shard, checks: list[Check] | None = None) -> list[Check]:
+    """Run the checks, appending each to ``checks`` as it ends (so a report keeps the ones before a
+    failure, and the failure itself); raises :class:`ShardCheckFailed` naming the first that failed."""
+    checks = [] if checks is None else checks
     bad, count = [], 0
     for name, tensor in shard.weight_tensors():
         count += 1
@@ -129,7 +130,7 @@ def run_doctor(model_path: Path, layers: tuple[int, int] | None, dtype: str, dev
         shard = open_shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest, say=say)
         load_s = time.perf_counter() - started
         report.checks.append(Check(f"layers [{start}, {end}) load", True, f"{load_s:.2f}s"))
-        report.checks += check_shard(shard)
+        check_shard(shard, report.checks)
         report.model = {
             "model_id": info.model_id, "architecture": info.architecture, "n_layers": info.n_layers,
             "backend": info.numerics.backend, "device": info.numerics.device, "dtype": info.numerics.dtype_name,

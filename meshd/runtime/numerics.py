@@ -160,17 +160,20 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer) -> C
         return seconds
 
     chosen = base
+    alone: float | None = None  # the chosen way's lone decode step, once measured
     if base.dtype != torch.float32:
         native = timed(chosen, time_prefill, "prefill")
         upcast = replace(chosen, prefill_fp32=True)
         if timed(upcast, time_prefill, "prefill") * MARGIN < native:
             chosen = upcast
-        native = timed(chosen, time_decode, "decode")
-        upcast = replace(chosen, decode_fp32=True)
-        if timed(upcast, time_decode, "decode") * MARGIN < native:
-            chosen = upcast
-    if chosen.device == "cpu":
         alone = timed(chosen, time_decode, "decode")
+        upcast = replace(chosen, decode_fp32=True)
+        upcast_s = timed(upcast, time_decode, "decode")
+        if upcast_s * MARGIN < alone:
+            chosen, alone = upcast, upcast_s
+    if chosen.device == "cpu":
+        if alone is None:
+            alone = timed(chosen, time_decode, "decode")
         tiled = replace(chosen, decode_rows=TILE_ROWS)
         if timed(tiled, time_decode, "decode") <= alone * 1.1:
             chosen = tiled
@@ -193,6 +196,8 @@ def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int) 
         with torch.inference_mode(), mode:
             for w in weights[:1]:  # warm the kernels up
                 F.linear(xs[w.shape[1]], w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the copies and the warm-up are queued, not done
             started = time.perf_counter()
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
