@@ -69,10 +69,14 @@ def test_a_gguf_split_over_three_peers_answers_as_one_process(gguf_file, expecte
 
 def test_the_tracker_prefers_the_peer_that_holds_the_whole_model(gguf_file, tmp_path):
     with LocalMesh(tmp_path) as mesh:
-        peers = mesh.start_peers([dict(model=gguf_file, layers=r) for r in ((0, 2), (2, 4), (0, 4))])
+        # the whole-model peer first, alone: each peer measures its decode speed as it loads, and the
+        # routes compare those figures, so the split peers must not measure on an idler machine than it
+        first = mesh.start_peer(model=gguf_file, layers=(0, 4))
+        mesh.wait_until(lambda: first.get("/status")["decode_tok_s"] > 0, 60, "the whole model measured")
+        peers = [first, *mesh.start_peers([dict(model=gguf_file, layers=r) for r in ((0, 2), (2, 4))])]
         mesh.wait_covered("tiny-q8", timeout=60)
-        whole = peers[2].peer_id
-        route = mesh.wait_until(lambda: _route_through(peers[0], whole), 30, "a one-hop route")
+        whole = peers[0].peer_id
+        route = mesh.wait_until(lambda: _route_through(peers[1], whole), 30, "a one-hop route")
         assert [h["peer_id"] for h in route["hops"]] == [whole]
 
 

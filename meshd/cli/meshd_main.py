@@ -63,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "advertise --advertise; relayed: advertise only relay addresses")
     run.add_argument("--model", metavar="PATH",
                      help="the model this peer can serve: a Hugging Face directory or a GGUF file")
-    run.add_argument("--model-id", help="the model's name in the API (default: the directory's name, or the GGUF "
-                     "file's without .gguf)")
+    run.add_argument("--model-id", metavar="NAME",
+                     help="the model's name in the API (default: the directory's name, or the GGUF file's without "
+                     ".gguf). Without --model: serve NAME without copying it here, by fetching its config, tokenizer "
+                     "and the tensors of the layers placed on this peer from the peers that serve it (each chunk "
+                     "checked against the compat key; kept under the data directory, resumed after a restart)")
     run.add_argument("--backend", choices=["auto", "torch", "llama.cpp"],
                      help="what computes the layers: llama.cpp (GGUF files, needs `make native`) or torch "
                      "(every model; GGUF weights dequantized); default auto: llama.cpp for a GGUF file when "

@@ -45,15 +45,6 @@ class MeshBackend:
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(id=model_id) for model_id in self.view.covered_models()]
 
-    def _sources(self, compat_key: str) -> list[tuple[str, str]]:
-        """Peers serving ``compat_key`` that can hand out its files, by peer id."""
-        out = []
-        for offer in sorted(self.view.offers(), key=lambda o: o.peer_id):
-            address = self.view.address_of(offer.peer_id)
-            if offer.compat_key == compat_key and offer.peer_id != self.view.self_id and address is not None:
-                out.append((offer.peer_id, address))
-        return out
-
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
         """The events of one generation, counted in the entry's metrics (outcome, tokens, first token)."""
         metrics = self.entry.metrics
@@ -90,7 +81,7 @@ class MeshBackend:
         except NoRouteError as exc:
             raise NoRoute(req.model, exc.missing) from None
         try:
-            codec = await self.files.codec_for(req.model, first.route.compat_key, self._sources)
+            codec = await self.files.codec_for(req.model, first.route.compat_key, self.view.sources_of)
         except ModelFilesUnavailable as exc:
             raise NoRoute(req.model, []) from exc
         prompt = _encode(codec, req)

@@ -43,7 +43,9 @@ class PeerConfig:
     metrics: str = setting("127.0.0.1:7702", "Prometheus /metrics listener (loopback unless told); \"\" turns it off")
     bootstrap: list[str] = setting_list("peers to join through (HOST:PORT each)")
     model: Path | None = setting(None, "the model this peer can serve: a Hugging Face directory or a GGUF file")
-    model_id: str = setting("", "the model's name in the API (default: the directory's name, or the GGUF file's)")
+    model_id: str = setting("", "the model's name in the API (default: the directory's name, or the GGUF file's); "
+                            "without model: serve this model by fetching the layers placed here from peers that "
+                            "serve it")
     backend: str = setting("auto", "what computes the layers: auto (llama.cpp for a GGUF file when installed, else "
                            "torch), torch or llama.cpp")
     layers: tuple[int, int] | None = setting(None, "pin this half-open layer range (\"START:END\") instead of "

@@ -137,13 +137,15 @@ class LocalMesh:
 
     def start_peer(self, *, model: Path | None = None, memory_budget: int | None = None,
                    layers: tuple[int, int] | None = None, extra: list[str] | None = None,
-                   bootstrap: bool = True, timeout: float = 60.0, wait: bool = True) -> LocalPeer:
+                   bootstrap: bool = True, timeout: float = 60.0, wait: bool = True,
+                   module: str = "meshd.cli.meshd_main") -> LocalPeer:
+        """``module``: what ``python -m`` runs with ``meshd run``'s arguments (a test's own wrapper)."""
         index = len(self.peers)
         data_dir = self.workdir / f"peer{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
         ready = data_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "meshd.cli.meshd_main", "run", "--data-dir", str(data_dir),
+        args = [sys.executable, "-m", module, "run", "--data-dir", str(data_dir),
                 "--name", f"peer{index}", "--listen", "127.0.0.1:0", "--api", "127.0.0.1:0",
                 "--control", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--ready-file", str(ready),
                 "--log-level", self.log_level]

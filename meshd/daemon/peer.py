@@ -38,7 +38,7 @@ from meshd.metrics import Levels, PeerMetrics, metrics_app
 from meshd.models.artifacts import ModelFilesCache
 from meshd.models.gguf_model import model_directory
 from meshd.rpc import RPC_PATH, RpcRouter
-from meshd.runtime.devices import device_memory_bytes
+from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import choose_numerics, describe_model
 from meshd.runtime.served_model import PlacementRefused, ServedModel
@@ -49,12 +49,15 @@ from meshd.session.hop_state import AdmissionLimits
 from meshd.session.repair import RepairConfig
 from meshd.session.routes import RouteClient
 from meshd.transport import MessageStream, StreamHandler, Transport
+from meshd.weights.join import ModelJoin
+from meshd.weights.source import WeightsSource
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as rpb
 
 log = logging.getLogger("meshd.peer")
 
 CARD_REFRESH_S = 2.0  # how often load changes are checked for and re-published
+PINNED_RETRY_S = 10.0  # a pinned range whose tensors could not be fetched is tried again after this
 
 
 @dataclass
@@ -102,12 +105,21 @@ class Peer:
                                     metrics=self.metrics)
         self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties)
         self.files = ModelFilesCache(config.data_dir, self.served.info if self.served else None, self.transport)
+        self.weights = WeightsSource()
+        if self.served is not None:
+            self.weights.offer(self.served.info)
+        # a model named without files: fetched from the peers that serve it, a range at a time
+        self.joining = (ModelJoin(config.model_id, self.control.view, self.files, self.transport,
+                                  resolve_device(config.device))
+                        if config.model is None and config.model_id else None)
         self.rpc = RpcRouter()
         self.rpc.register("gossip", self.control.on_gossip)
         self.rpc.register("route", self.control.on_route)
         self.rpc.register("placement", self._on_placement)
         self.rpc.register("model_files", self.files.serve)
         self.rpc.register("dialback", self.reachability.serve_dialback)
+        self.rpc.register("manifest", self.weights.serve_manifest)
+        self.rpc.register("chunk", self.weights.serve_chunk)
         self._streams: dict[str, StreamHandler] = {
             seam.SEAM_PATH: self.hops.handle_seam,
             seam.RESULTS_PATH: self.hops.handle_results,
@@ -134,12 +146,41 @@ class Peer:
         return ServedModel(info, host, pinned=config.layers, on_change=self._republish,
                            measured_ms=choice.measured_ms)
 
+    async def _join_model(self, joining: ModelJoin) -> None:
+        """Serve the model named by ``--model-id`` from fetched files; a failure is said by the status."""
+        cfg = self.config
+        try:
+            info = await joining.describe()
+        except MeshError as exc:
+            self.model_error = str(exc)
+            joining.state = "failed"
+            log.error("%s is not offered: %s", joining.model_id, exc)
+            return
+        host = ShardHost(info.model_dir, numerics=info.numerics, manifest=info.manifest,
+                         max_chunk_tokens=max(512, cfg.chunk_tokens), kv_budget_bytes=cfg.kv_budget,
+                         batch_hold=cfg.batch_hold)
+
+        async def fetch(start: int, end: int) -> None:
+            await joining.fetch_range(start, end)
+            self.weights.offer(info)  # hand out the tensors just fetched too
+
+        served = ServedModel(info, host, pinned=cfg.layers, on_change=self._republish, prepare=fetch)
+        self.served = served
+        self.hops.host, self.hops.model = host, info
+        self.files.local = info
+        self.weights.offer(info)
+        self._republish()
+        while cfg.layers is not None and served.range is None and not served.error:
+            await served.load(*cfg.layers)  # pinned: nobody orders it again, so retry here
+            if served.range is None and not served.error:
+                await trio.sleep(PINNED_RETRY_S)
+
     # -- the card ----------------------------------------------------------------------------------
 
     @functools.cached_property
     def _hardware(self) -> cpb.Hardware:
         """What the card says of the machine; read once, as it does not change while we run."""
-        device = self.served.info.numerics.device if self.served is not None else "cpu"
+        device = self.served.info.numerics.device if self.served is not None else resolve_device(self.config.device)
         return cpb.Hardware(ram_bytes=psutil.virtual_memory().total, device=device, cpu_count=os.cpu_count() or 1,
                             device_memory_bytes=device_memory_bytes(device))
 
@@ -273,6 +314,8 @@ class Peer:
                     self._republish()
                     if self.served is not None and cfg.layers is not None:
                         nursery.start_soon(self.served.load, *cfg.layers)
+                    if self.joining is not None:
+                        nursery.start_soon(self._join_model, self.joining)
                     await nursery.start(self.control.run, self._on_tick)
                     await nursery.start(self.hops.run)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)

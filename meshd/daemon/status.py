@@ -37,6 +37,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "numerics_measured_ms": served.measured_ms if served else {},
         "shard_error": (served.error or None) if served else (peer.model_error or None),
         "shard_checks": [c.__dict__ for c in served.checks] if served else [],
+        "weights_fetch": peer.joining.status() if peer.joining is not None else None,
         "members": {p: s.name for p, s in control.gossip.members().items()},
         "models_covered": control.view.covered_models(),
         "rejected_cards": {str(k): v for k, v in control.gossip.rejected_cards.items()},

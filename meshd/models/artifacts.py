@@ -90,12 +90,14 @@ class ModelFilesCache:
         async with self._locks.setdefault(compat_key, trio.Lock()):
             codec = self._codecs.get(compat_key)
             if codec is None:
-                directory = await self._directory_for(model_id, compat_key, sources)
+                directory = await self.directory_for(model_id, compat_key, sources)
                 codec = await trio.to_thread.run_sync(TextCodec.load, directory)
                 self._codecs[compat_key] = codec
         return codec
 
-    async def _directory_for(self, model_id: str, compat_key: str, sources: Sources) -> Path:
+    async def directory_for(self, model_id: str, compat_key: str, sources: Sources) -> Path:
+        """The directory holding the model's config and tokenizer (and :data:`SOURCE_FILE`), checked
+        against ``compat_key``: this peer's own, one stored before, or files fetched from ``sources``."""
         if self.local is not None and self.local.compat_key == compat_key:
             return self.local.model_dir
         stored = self.root / compat_key

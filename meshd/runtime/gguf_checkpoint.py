@@ -11,7 +11,6 @@ metadata through transformers (:mod:`meshd.models.gguf_model` writes them next t
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from meshd.errors import ModelFormatError
-from meshd.runtime.manifest import Manifest, TensorEntry, verify_tensor
+from meshd.runtime.manifest import Manifest, TensorEntry, tensor_digest, verify_tensor
 
 GGUF_FILE = "model.gguf"  # the link to the GGUF file inside a GGUF model's directory
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> GGUF arch
@@ -73,8 +72,9 @@ def hash_gguf(path: Path) -> list[TensorEntry]:
         raw = raw_bytes(t)
         if raw.size != int(t.n_bytes):
             raise ModelFormatError(f"{path} is truncated inside tensor {t.name!r}")
+        digest, chunks = tensor_digest(raw.data)
         entries.append(TensorEntry(str(t.name), t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                                   hashlib.sha256(raw.data).hexdigest(), int(t.n_bytes)))
+                                   digest, int(t.n_bytes), chunks))
     return entries
 
 

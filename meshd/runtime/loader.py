@@ -13,7 +13,6 @@ was computed is refused, not served.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from meshd.errors import ModelFormatError
-from meshd.runtime.manifest import Manifest, read_header
+from meshd.runtime.manifest import Manifest, read_header, verify_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -139,6 +138,13 @@ class SafetensorsIndex:
             raise ModelFormatError(f"tensor {name!r} is listed in the index but not in {self.files[name].name}")
         return header[name]
 
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """The file holding the tensor, where its bytes start in it and how many there are."""
+        path = self.files[name]
+        _header, data_start = self._header(path)
+        begin, end = (int(x) for x in self.entry(name)["data_offsets"])  # type: ignore[attr-defined]
+        return path, data_start + begin, end - begin
+
     def load(self, names: Iterable[str], dtype: torch.dtype,
              device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Read the named tensors (and nothing else) as ``dtype`` on ``device``, checked against the
@@ -147,23 +153,21 @@ class SafetensorsIndex:
         for name in sorted(names, key=lambda n: (str(self.files.get(n, "")), n)):
             if name not in self.files:
                 raise ModelFormatError(f"tensor {name!r} is not in the checkpoint at {self.model_dir}")
-            path = self.files[name]
-            _header, data_start = self._header(path)
             info = self.entry(name)
             stored = STORED_DTYPES.get(str(info["dtype"]))
             if stored is None:
                 raise ModelFormatError(f"tensor {name!r} is stored as {info['dtype']}, which meshd does not read")
-            begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
-            raw = bytearray(end - begin)
+            path, start, nbytes = self.location(name)
+            raw = bytearray(nbytes)
             with path.open("rb") as f:
-                f.seek(data_start + begin)
+                f.seek(start)
                 if f.readinto(raw) != len(raw):
                     raise ModelFormatError(f"{path} is truncated inside tensor {name!r}")
             if self.manifest is not None:
                 expected = self.manifest.tensors.get(name)
-                if expected is None or expected.sha256 != hashlib.sha256(raw).hexdigest():
-                    raise ModelFormatError(f"tensor {name!r} does not match the checkpoint's manifest "
-                                           "(the file changed or is damaged since it was hashed)")
+                if expected is None:
+                    raise ModelFormatError(f"tensor {name!r} is not in the checkpoint's manifest")
+                verify_tensor(expected, raw)
             shape = [int(d) for d in info["shape"]]  # type: ignore[attr-defined]
             tensor = torch.frombuffer(raw, dtype=stored).reshape(shape) if raw else torch.empty(shape, dtype=stored)
             out[name] = tensor.to(dtype=dtype, device=device)

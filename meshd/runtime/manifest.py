@@ -3,7 +3,9 @@
 Two peers with the same model name but different weights must never share a route, and a file
 changed or damaged on disk must not be served as the model it was. So the compat key commits to the
 tensors themselves, not to file names: the manifest lists every tensor's name, stored dtype, shape
-and SHA-256 of its raw bytes, and its digest goes into the compat key. Hashing reads every byte
+and digest, and its own digest goes into the compat key. A tensor's digest is the SHA-256 of the
+SHA-256s of its 1 MiB chunks, so a peer that fetches a tensor from others in chunks can check each
+chunk as it arrives against hashes the compat key commits to (:func:`tensor_digest`). Hashing reads every byte
 once, streamed a tensor at a time; the result is cached per file by its identity (path, size,
 modification time, inode), so a restart hashes nothing that did not change. A shard checks the
 tensors it loads against the manifest as it reads them (:func:`verify_tensor`).
@@ -22,6 +24,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from meshd.errors import ModelFormatError
 from meshd.files import write_atomically
@@ -29,8 +32,8 @@ from meshd.files import write_atomically
 log = logging.getLogger("meshd.runtime")
 
 HEADER_LIMIT = 100 * 1024 * 1024
-READ_BLOCK = 8 * 1024 * 1024
-CACHE_VERSION = 1
+CHUNK_BYTES = 1024 * 1024  # the unit a tensor is hashed (and fetched from other peers) in
+CACHE_VERSION = 2
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -40,8 +43,39 @@ class TensorEntry:
     name: str
     dtype: str            # safetensors' dtype name: F32, BF16, F16 ...
     shape: tuple[int, ...]
-    sha256: str
+    digest: str           # SHA-256 over the SHA-256s of its chunks, in order
     nbytes: int
+    chunks: tuple[str, ...] = ()  # SHA-256 of each CHUNK_BYTES piece of its raw bytes
+
+    def chunk_span(self, index: int) -> tuple[int, int]:
+        """Where chunk ``index`` lies in the tensor's bytes: (offset, length)."""
+        offset = index * CHUNK_BYTES
+        return offset, min(CHUNK_BYTES, self.nbytes - offset)
+
+
+def entry_as_json(e: TensorEntry) -> dict[str, object]:
+    return {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "digest": e.digest, "nbytes": e.nbytes,
+            "chunks": list(e.chunks)}
+
+
+def entry_from_json(doc: dict[str, Any]) -> TensorEntry:
+    return TensorEntry(str(doc["name"]), str(doc["dtype"]), tuple(int(d) for d in doc["shape"]), str(doc["digest"]),
+                       int(doc["nbytes"]), tuple(str(c) for c in doc["chunks"]))
+
+
+def digest_of_chunks(chunks: Iterable[str]) -> str:
+    """A tensor's digest from its chunks' hashes (a tensor of no bytes has none)."""
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(bytes.fromhex(c))
+    return h.hexdigest()
+
+
+def tensor_digest(raw: bytes | bytearray | memoryview) -> tuple[str, tuple[str, ...]]:
+    """The digest of a tensor's raw bytes and the hashes of its chunks."""
+    view = memoryview(raw).cast("B")
+    chunks = tuple(hashlib.sha256(view[i : i + CHUNK_BYTES]).hexdigest() for i in range(0, len(view), CHUNK_BYTES))
+    return digest_of_chunks(chunks), chunks
 
 
 def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
@@ -98,18 +132,18 @@ def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> list
             info = header[name]
             begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[attr-defined]
             f.seek(data_start + begin)
-            digest = hashlib.sha256()
+            chunks = []
             remaining = end - begin
             while remaining:
-                block = f.read(min(READ_BLOCK, remaining))
-                if not block:
+                block = f.read(min(CHUNK_BYTES, remaining))
+                if len(block) != min(CHUNK_BYTES, remaining):
                     raise ModelFormatError(f"{path} is truncated inside tensor {name!r}")
-                digest.update(block)
+                chunks.append(hashlib.sha256(block).hexdigest())
                 remaining -= len(block)
                 if progress is not None:
                     progress(len(block))
             entries.append(TensorEntry(name, str(info["dtype"]), tuple(int(d) for d in info["shape"]),  # type: ignore[attr-defined]
-                                       digest.hexdigest(), end - begin))
+                                       digest_of_chunks(chunks), end - begin, tuple(chunks)))
     return entries
 
 
@@ -127,14 +161,13 @@ def _cached(path: Path, cache_dir: Path | None, progress: Callable[[int], None] 
         try:
             doc = json.loads(cache.read_text())
             if doc.get("version") == CACHE_VERSION and doc.get("identity") == _identity(path):
-                return [TensorEntry(e["name"], e["dtype"], tuple(e["shape"]), e["sha256"], e["nbytes"])
-                        for e in doc["tensors"]]
+                return [entry_from_json(e) for e in doc["tensors"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass
     entries = hash_file(path, progress)
     cache_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(cache, json.dumps({"version": CACHE_VERSION, "identity": _identity(path),
-                                        "tensors": [e.__dict__ | {"shape": list(e.shape)} for e in entries]}))
+                                        "tensors": [entry_as_json(e) for e in entries]}))
     return entries
 
 
@@ -147,7 +180,7 @@ class Manifest:
         h = hashlib.sha256()
         for name in sorted(self.tensors):
             e = self.tensors[name]
-            h.update(f"{name}\0{e.dtype}\0{list(e.shape)}\0{e.sha256}\n".encode())
+            h.update(f"{name}\0{e.dtype}\0{list(e.shape)}\0{e.digest}\n".encode())
         return h.hexdigest()
 
     @property
@@ -178,9 +211,9 @@ def weights_manifest(files: list[Path], cache_dir: Path | None = None,
     return Manifest(tensors)
 
 
-def verify_tensor(entry: TensorEntry, raw: bytes | memoryview) -> None:
+def verify_tensor(entry: TensorEntry, raw: bytes | bytearray | memoryview) -> None:
     """Raise unless ``raw`` are exactly the bytes the manifest lists for the tensor."""
-    if len(raw) != entry.nbytes or hashlib.sha256(raw).hexdigest() != entry.sha256:
+    if len(raw) != entry.nbytes or tensor_digest(raw)[0] != entry.digest:
         raise ModelFormatError(f"tensor {entry.name!r} does not match the checkpoint's manifest "
                                "(the file changed or is damaged)")
 

@@ -176,3 +176,34 @@ def describe_model(model_dir: Path, model_id: str | None = None, *, numerics: Nu
         numerics=numerics,
         manifest=manifest,
     )
+
+
+def describe_fetched(model_dir: Path, model_id: str, manifest: Manifest, numerics: Numerics) -> ModelInfo:
+    """What a card says about a model whose files this peer fetched: its config and tokenizer are in
+    ``model_dir``, its weights are described by ``manifest`` (the peers' whole checkpoint), whichever
+    of its tensors ``model_dir`` holds so far."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    adapter = adapter_for(config)
+    itemsize = torch.empty((), dtype=numerics.dtype).element_size()
+
+    def bytes_of(names: list[str]) -> int:
+        total = 0
+        for name in names:
+            n = 1
+            for d in manifest.tensors[name].shape:
+                n *= int(d)
+            total += n * itemsize
+        return total
+
+    prefix = adapter.layer_tensor_prefix(0)
+    tok_digest = tokenizer_digest_of(read_small_files(model_dir))
+    return ModelInfo(
+        model_id=model_id, model_dir=model_dir, architecture=adapter.architecture,
+        n_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        layer_bytes=bytes_of([n for n in manifest.tensors if n.startswith(prefix)]),
+        edge_bytes=bytes_of([adapter.embed_tensor] if adapter.embed_tensor in manifest.tensors else []),
+        compat_key=compat_key_of(adapter.architecture, tok_digest, manifest.digest, numerics.name),
+        tokenizer_digest=tok_digest, weights_digest=manifest.digest,
+        context_length=int(getattr(config, "max_position_embeddings", 2048)), numerics=numerics, manifest=manifest,
+    )

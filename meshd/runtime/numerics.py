@@ -93,6 +93,32 @@ class Numerics:
         return _Linears(rows=self.decode_rows, upcast=upcast)
 
 
+def numerics_from_name(name: str, device: str) -> Numerics:
+    """The torch numerics class called ``name`` (as :attr:`Numerics.name` writes it), on ``device``,
+    which must be of the kind the name says: how a peer that fetched a model computes exactly as the
+    peers it fetched from."""
+    parts = name.split("/")
+    try:
+        if parts[0] == "llama.cpp" or len(parts) < 4:
+            raise ValueError("it is not a torch numerics class (a GGUF model on llama.cpp is shared as its file)")
+        kind, dtype_name, prefill, decode = parts[:4]
+        weights = "/".join(parts[4:])
+        if kind != device.split(":")[0]:
+            raise ValueError(f"it computes on {kind}, and this peer's device is {device}")
+        if not prefill.startswith("prefill-") or not decode.startswith("decode-") or "-rows" not in decode:
+            raise ValueError("it is not a torch numerics class")
+        decode_way, rows = decode.removeprefix("decode-").split("-rows")
+        ways = {"fp32": True, "native": False}
+        prefill_way = prefill.removeprefix("prefill-")
+        numerics = Numerics(dtype=DTYPES[dtype_name], device=device, prefill_fp32=ways[prefill_way],
+                            decode_fp32=ways[decode_way], decode_rows=int(rows), weights=weights)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"numerics class {name!r} cannot run here: {exc}") from None
+    if numerics.name != name:
+        raise ValueError(f"numerics class {name!r} is not one this version of meshd writes")
+    return numerics
+
+
 class _Linears(TorchFunctionMode):
     """Runs every ``F.linear`` of a step as the numerics say: in fixed row tiles, in fp32, or both."""
 

@@ -9,7 +9,7 @@ so. A range that fails to load or to pass the checks is not served: the card say
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from meshd.errors import ErrorCode, MeshError
 from meshd.runtime.doctor import Check, check_shard
@@ -30,8 +30,11 @@ class PlacementRefused(MeshError):
 
 class ServedModel:
     def __init__(self, info: ModelInfo, host: ShardHost, pinned: tuple[int, int] | None = None,
-                 on_change: Callable[[], None] = lambda: None, measured_ms: dict[str, float] | None = None) -> None:
+                 on_change: Callable[[], None] = lambda: None, measured_ms: dict[str, float] | None = None,
+                 prepare: Callable[[int, int], Awaitable[None]] | None = None) -> None:
+        """``prepare(start, end)``: what must happen before a range can load (fetching its tensors)."""
         self.info = info
+        self.prepare = prepare
         self.host = host
         self.pinned = pinned
         self.on_change = on_change
@@ -82,6 +85,13 @@ class ServedModel:
         """Load ``[start, end)``, check it, measure its decode speed, and tell the card; a failure is
         recorded and said by the card, never raised (the peer goes on without a range)."""
         self.load_started = True
+        if self.prepare is not None:
+            try:
+                await self.prepare(start, end)
+            except MeshError as exc:  # nothing is lost: the next placement order tries again
+                self.load_started = False
+                log.error("layers [%d, %d) of %s cannot load yet: %s", start, end, self.info.model_id, exc)
+                return
         try:
             self.checks = await self.host.load(start, end, check=check_shard) or []
             self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +84,22 @@ def resolve_dtype(requested: str | torch.dtype, model_dir: Path) -> torch.dtype:
     if requested not in DTYPES:
         raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[requested]
+
+
+def range_tensors(adapter: ArchitectureAdapter, config: PretrainedConfig, names: Iterable[str], start: int,
+                  end: int) -> list[str]:
+    """The tensors of a checkpoint (``names``) that a shard of ``[start, end)`` reads: its layers', the
+    embedding at the head, the final norm and the LM head (or the tied embedding) at the tail."""
+    names = sorted(names)
+    prefixes = tuple(adapter.layer_tensor_prefix(i) for i in range(start, end))
+    wanted = [n for n in names if n.startswith(prefixes)]
+    if start == 0:
+        wanted.append(adapter.embed_tensor)
+    if end == config.num_hidden_layers:
+        wanted.append(adapter.norm_tensor)
+        tied = getattr(config, "tie_word_embeddings", False) or adapter.lm_head_tensor not in names
+        wanted.append(adapter.embed_tensor if tied else adapter.lm_head_tensor)
+    return sorted(set(wanted))
 
 
 class Shard:

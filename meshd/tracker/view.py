@@ -169,6 +169,16 @@ class MeshView:
         card = self.gossip.live_cards().get(peer_id)
         return None if card is None else dial_address(card.card)
 
+    def sources_of(self, compat_key: str) -> list[tuple[str, str]]:
+        """(peer id, address) of the other live peers that offer ``compat_key``: who can hand out its
+        files and weights."""
+        out = []
+        for offer in sorted(self.offers(), key=lambda o: o.peer_id):
+            address = self.address_of(offer.peer_id)
+            if offer.compat_key == compat_key and offer.peer_id != self.self_id and address is not None:
+                out.append((offer.peer_id, address))
+        return out
+
     def rtt_of(self, peer_id: str) -> float | None:
         return 0.0 if peer_id == self.self_id else self.rtt_ms.get(peer_id)
 

@@ -110,6 +110,50 @@ class ModelFiles(_message.Message):
     numerics: str
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., architecture: _Optional[str] = ..., weights_digest: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
+class ManifestRequest(_message.Message):
+    __slots__ = ("model_id", "compat_key")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ...) -> None: ...
+
+class TensorRecord(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    chunks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., chunks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WeightsManifest(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRecord]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorRecord, _Mapping]]] = ...) -> None: ...
+
+class ChunkRequest(_message.Message):
+    __slots__ = ("compat_key", "tensor", "index")
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    compat_key: str
+    tensor: str
+    index: int
+    def __init__(self, compat_key: _Optional[str] = ..., tensor: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class DialbackRequest(_message.Message):
     __slots__ = ("address",)
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -133,31 +177,39 @@ class RpcError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PeerRequest(_message.Message):
-    __slots__ = ("gossip", "route", "placement", "model_files", "dialback")
+    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk")
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
     DIALBACK_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     gossip: _card_pb2.GossipMessage
     route: RouteRequest
     placement: PlacementOrder
     model_files: ModelFilesRequest
     dialback: DialbackRequest
-    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ...) -> None: ...
+    manifest: ManifestRequest
+    chunk: ChunkRequest
+    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error")
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
     DIALBACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     route: RouteReply
     no_route: NoRoute
     model_files: ModelFiles
     dialback: DialbackReply
     error: RpcError
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ...) -> None: ...
+    manifest: WeightsManifest
+    chunk: TensorChunk
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
