@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshd.tracker.duties import TrackerDuties
 from meshd.tracker.placement import place
 from meshd.tracker.routing import NoRouteError, plan_route
 from meshd.tracker.view import ShardOffer
@@ -85,3 +86,15 @@ def test_a_route_never_mixes_compat_keys():
     assert plan_route("m", offers, lambda _p: 1.0).compat_key == "class-b"  # one hop is cheapest
     kept = plan_route("m", offers, lambda _p: 1.0, compat_key="class-a")
     assert kept.compat_key == "class-a" and [h.peer_id for h in kept.hops] == ["a1", "a2"]
+
+
+def test_a_peer_claiming_another_layer_count_under_a_compat_key_disturbs_nothing():
+    """The compat key commits to the config, so honest peers of one key agree on the layer count; a
+    card that claims the key with other layers (and ranges beyond the honest count) is planned apart."""
+    honest = [offer("a", 0, (0, 2)), offer("b", 0, (2, 4)), offer("c", 10 * LAYER + 2 * EDGE)]
+    liar = offer("z", 0, (4, 8), n=8)
+    for offers in ([*honest, liar], [liar, *honest]):
+        route = plan_route("m", offers, lambda _p: 1.0)
+        assert [h.peer_id for h in route.hops] == ["a", "b"]
+        orders = TrackerDuties().placement_orders(offers, now=0.0)
+        assert [(o.peer_id, o.layers) for o in orders] == [("c", (0, 4))]

@@ -80,11 +80,11 @@ class TrackerDuties:
 
     def placement_orders(self, offers: Iterable[ShardOffer], now: float) -> list[Order]:
         """Orders for the peers that wait for a range and were not sent one recently."""
-        by_model: dict[tuple[str, str], list[ShardOffer]] = {}
-        for offer in offers:
-            by_model.setdefault((offer.model_id, offer.compat_key), []).append(offer)
+        by_model: dict[tuple[str, str, int], list[ShardOffer]] = {}
+        for offer in offers:  # by layer count too: see plan_route
+            by_model.setdefault((offer.model_id, offer.compat_key, offer.n_layers), []).append(offer)
         orders = []
-        for (model_id, compat_key), group in sorted(by_model.items()):
+        for (model_id, compat_key, _n), group in sorted(by_model.items()):
             if not any(o.range is None and not self._recently_ordered(o.peer_id, now) for o in group):
                 continue
             pending = {p: layers for p, (layers, sent) in self._orders.items() if now - sent < self.retry_s}

@@ -74,13 +74,15 @@ def plan_route(
     span = {o.peer_id: o.range for o in usable if o.range is not None}
     if not usable:
         raise NoRouteError(model_id, [])
-    by_compat: dict[str, list[ShardOffer]] = {}
+    # the compat key commits to the config, so honest peers of one key agree on the layer count; one
+    # that claims another count under the same key is planned apart and cannot disturb their routes
+    by_compat: dict[tuple[str, int], list[ShardOffer]] = {}
     for o in usable:
-        by_compat.setdefault(o.compat_key, []).append(o)
+        by_compat.setdefault((o.compat_key, o.n_layers), []).append(o)
     best: Route | None = None
     best_total = 0.0
     missing: list[tuple[int, int]] = []
-    for compat_key, group in sorted(by_compat.items()):
+    for (compat_key, _n), group in sorted(by_compat.items()):
         n_layers = group[0].n_layers
         terms = {o.peer_id: hop_terms(o, rtt_ms(o.peer_id)) for o in group}
         cost = {o.peer_id: (terms[o.peer_id].compute_ms + terms[o.peer_id].seam_ms + terms[o.peer_id].hop_ms)

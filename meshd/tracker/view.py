@@ -105,6 +105,8 @@ def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
     for m in card.models:
         if m.shard_error:  # its shard failed its checks: neither placed nor routed
             continue
+        if not m.model_id or not m.compat_key or m.n_layers == 0 or m.range_end > m.n_layers:
+            continue  # a signed card may still say nonsense about a model: it offers nothing then
         placed = m.range_end > m.range_start
         layers = (m.range_end - m.range_start) if placed else m.n_layers
         ms_per_layer = 1000.0 / (m.decode_tok_s * layers) if m.decode_tok_s > 0 and layers else 1.0
