@@ -98,3 +98,16 @@ def test_a_peer_claiming_another_layer_count_under_a_compat_key_disturbs_nothing
         assert [h.peer_id for h in route.hops] == ["a", "b"]
         orders = TrackerDuties().placement_orders(offers, now=0.0)
         assert [(o.peer_id, o.layers) for o in orders] == [("c", (0, 4))]
+
+
+def test_a_card_claiming_a_billion_layers_offers_nothing():
+    """Placement and routing work per layer: a signed card claiming 2**32 - 1 layers would have had
+    the tracker allocate a table of that size (found by the fuzzer as an out-of-memory kill)."""
+    from meshd.tracker.view import MAX_LAYERS, offers_of
+    from meshd.wire import card_pb2 as cpb
+
+    card = cpb.CapabilityCard(peer_id="z", models=[cpb.ModelServed(model_id="m", compat_key="k", n_layers=2**32 - 1,
+                                                                    layer_bytes=1)], memory_budget_bytes=2**63)
+    assert offers_of(card) == []
+    card.models[0].n_layers = MAX_LAYERS
+    assert len(offers_of(card)) == 1

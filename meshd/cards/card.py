@@ -106,6 +106,7 @@ class CardStore:
 
     _cards: dict[str, Card] = field(default_factory=dict)
     _floor: dict[str, int] = field(default_factory=dict)
+    _next_expiry_ms: int | None = None  # no card expires before this (it may be earlier than the truth)
 
     def accept(self, signed: pb.SignedCard | bytes, now_ms: int) -> bool:
         """Store the card if it verifies and is newer; False for an exact duplicate of the held card.
@@ -121,6 +122,8 @@ class CardStore:
         known = self.known_sequence(peer_id) if peer_id else None
         card = verify_card(signed, now_ms, known)
         self._cards[card.peer_id] = card
+        if self._next_expiry_ms is None or card.expires_at_ms < self._next_expiry_ms:
+            self._next_expiry_ms = card.expires_at_ms
         return True
 
     def known_sequence(self, peer_id: str) -> int | None:
@@ -150,10 +153,14 @@ class CardStore:
         return card
 
     def sweep(self, now_ms: int) -> list[str]:
-        """Drop every expired card; return the peers whose card went."""
+        """Drop every expired card; return the peers whose card went. Called on every gossip tick, so it
+        looks at the cards only once the earliest expiry has come."""
+        if self._next_expiry_ms is None or now_ms < self._next_expiry_ms:
+            return []
         gone = [peer_id for peer_id, card in self._cards.items() if card.expires_at_ms <= now_ms]
         for peer_id in gone:
             self.remove(peer_id)
+        self._next_expiry_ms = min((c.expires_at_ms for c in self._cards.values()), default=None)
         return gone
 
 

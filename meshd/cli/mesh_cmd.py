@@ -44,7 +44,7 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
-def _table(rows: list[list[str]], header: list[str]) -> None:
+def print_table(rows: list[list[str]], header: list[str]) -> None:
     """Print a table with rich: aligned columns on a terminal, never wrapped or cut when piped."""
     from rich.console import Console
     from rich.table import Table
@@ -88,7 +88,7 @@ def _cmd_peers(args: argparse.Namespace) -> int:
             "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
             _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
         ])
-    _table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
+    print_table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
                         "LAST SEEN", "CARD AGE"])
     return 0
 
@@ -110,7 +110,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
           f"planned by {route['planned_by']}, estimated {route['cost_ms']:.2f} ms/token")
     rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['seam_ms']:.3f}",
              f"{h['hop_ms']:.3f}", f"{h['load_factor']:.2f}"] for h in route["hops"]]
-    _table(rows, ["PEER", "LAYERS", "COMPUTE MS", "SEAM MS", "HOP MS", "LOAD"])
+    print_table(rows, ["PEER", "LAYERS", "COMPUTE MS", "SEAM MS", "HOP MS", "LOAD"])
     return 0
 
 
@@ -137,7 +137,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
         print(f"  {_coverage_bar(m)}")
         rows = [[h["peer_id"][:12], h["name"], "-" if h["start"] is None else f"[{h['start']},{h['end']})",
                  h["backend"] or "-", h["numerics"] or "-", h["compat_key"][:12]] for h in m["holders"]]
-        _table(rows, ["PEER", "NAME", "LAYERS", "BACKEND", "NUMERICS", "COMPAT"])
+        print_table(rows, ["PEER", "NAME", "LAYERS", "BACKEND", "NUMERICS", "COMPAT"])
     return 0
 
 
@@ -164,7 +164,7 @@ def _cmd_sessions(args: argparse.Namespace) -> int:
         return 0
     rows = [[s["session_id"][:16], s["role"], s["model"], str(s["tokens"]), f"{s['tok_s']:.2f}", str(s["hops"]),
              str(s["epoch"]), f"{s['age_s']:.1f}s"] for s in sessions]
-    _table(rows, ["SESSION", "ROLE", "MODEL", "TOKENS", "TOK/S", "HOPS", "EPOCH", "AGE"])
+    print_table(rows, ["SESSION", "ROLE", "MODEL", "TOKENS", "TOK/S", "HOPS", "EPOCH", "AGE"])
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
 from meshd.cli.service_cmd import add_service_parser
+from meshd.cli.sim_cmd import add_sim_parser
 from meshd.models import BUILTIN_NAMES
 
 
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_relay.set_defaults(func=_cmd_bench_relay)
 
     add_mesh_parsers(sub)
+    add_sim_parser(sub)
 
     doctor = sub.add_parser(
         "doctor", help="check a model directory's layers as a peer would before serving them",

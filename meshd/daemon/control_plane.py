@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import trio
 
@@ -43,6 +44,36 @@ class NotTracker(MeshError):
     code = ErrorCode.NOT_TRACKER
 
 
+def gossip_config(config: PeerConfig) -> GossipConfig:
+    return GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
+                        suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s)
+
+
+def election_config(config: PeerConfig) -> ElectionConfig:
+    lease = config.lease_duration_s
+    return ElectionConfig(lease_duration=lease, renew_interval=lease / 3, jitter_step=lease / 6, max_jitter=lease / 2)
+
+
+@dataclass
+class JoinGate:
+    """A peer started with bootstrap addresses claims nothing until it has met the mesh (or given up
+    waiting), so that it does not elect itself and place its own layers in isolation."""
+
+    config: PeerConfig
+    started_at: float
+    met_mesh_at: float | None = None
+
+    def joined(self, now: float, members: Mapping[str, MemberState]) -> bool:
+        if not self.config.bootstrap:
+            return True
+        if self.met_mesh_at is None and any(s == MemberState.ALIVE for s in members.values()):
+            self.met_mesh_at = now
+        if self.met_mesh_at is not None:
+            # give the current tracker's lease one gossip round to arrive before competing with it
+            return now - self.met_mesh_at > 2 * self.config.pushpull_interval_s
+        return now - self.started_at > 2 * self.config.lease_duration_s
+
+
 class ControlPlane:
     def __init__(self, identity: Identity, config: PeerConfig, opener: StreamOpener,
                  card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool],
@@ -53,26 +84,16 @@ class ControlPlane:
         self.opener = opener
         self.card = card
         self.directly_reachable = directly_reachable
-        self.gossip = GossipNode.with_identity(
-            identity, card(),
-            GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
-                         suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s),
-            rng=random.Random(), card_ttl_ms=int(config.card_ttl_s * 1000),
-        )
+        self.gossip = GossipNode.with_identity(identity, card(), gossip_config(config), rng=random.Random(),
+                                               card_ttl_ms=int(config.card_ttl_s * 1000))
         for address in config.bootstrap:
             self.gossip.add_seed(address)
-        lease = config.lease_duration_s
-        self.election = Election(
-            identity.peer_id, config.tracker_eligible,
-            ElectionConfig(lease_duration=lease, renew_interval=lease / 3, jitter_step=lease / 6,
-                           max_jitter=lease / 2),
-            identity=identity,
-        )
+        self.election = Election(identity.peer_id, config.tracker_eligible, election_config(config), identity=identity)
         self.duties = TrackerDuties()
         self.view = MeshView(self.gossip, clock=time.monotonic)
         self.leaving = False
         self.started_at = time.time()
-        self._met_mesh_at: float | None = None
+        self.join_gate = JoinGate(config, self.started_at)
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -109,8 +130,8 @@ class ControlPlane:
         await self.perform(self.gossip.tick(now))
         alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
         # the tracker must be directly reachable: every peer asks it for routes
-        self.election.eligible = (self.config.tracker_eligible and not self.leaving and self._joined(now)
-                                  and self.directly_reachable())
+        self.election.eligible = (self.config.tracker_eligible and not self.leaving
+                                  and self.join_gate.joined(now, self.gossip.members()) and self.directly_reachable())
         await self.perform(self.election.tick(now, alive_eligible))
         if self.election.tracker(now) == self.peer_id:
             for order in self.duties.placement_orders(self.view.offers(), now):
@@ -120,18 +141,6 @@ class ControlPlane:
         """Say goodbye by gossip; from now on this peer claims nothing."""
         self.leaving = True
         await self.perform(self.gossip.leave(time.time()))
-
-    def _joined(self, now: float) -> bool:
-        """A peer started with bootstrap addresses claims nothing until it has met the mesh (or given up
-        waiting), so that it does not elect itself and place its own layers in isolation."""
-        if not self.config.bootstrap:
-            return True
-        if self._met_mesh_at is None and any(s == MemberState.ALIVE for s in self.gossip.members().values()):
-            self._met_mesh_at = now
-        if self._met_mesh_at is not None:
-            # give the current tracker's lease one gossip round to arrive before competing with it
-            return now - self._met_mesh_at > 2 * self.config.pushpull_interval_s
-        return now - self.started_at > 2 * self.config.lease_duration_s
 
     def _start(self, fn: Callable[..., object], *args: object) -> None:
         if self._nursery is not None:

@@ -83,7 +83,11 @@ class _Probe:
     target: str
     seq: int
     started: float
-    indirect_sent: bool = False
+    indirect_sent_at: float | None = None
+
+    @property
+    def indirect_sent(self) -> bool:
+        return self.indirect_sent_at is not None
 
 
 @dataclass
@@ -123,6 +127,7 @@ class GossipNode:
         self.store = CardStore()
         self.rejected_cards: Counter[RejectReason] = Counter()  # stale echoes count as REPLAYED
         self._members: dict[str, Member] = {}
+        self._timed: set[str] = set()  # members with a deadline: suspects (to declare dead), tombstones (to forget)
         self._seeds: list[Address] = []
         self._left = False
         self._seq = 0
@@ -232,11 +237,13 @@ class GossipNode:
             if peer_id != self.self_id and held is not None and held.state not in _GONE:
                 self._set_state(peer_id, MemberState.DEAD, held.incarnation, now, actions)
         self._run_probe(now, actions)
-        for peer_id, m in list(self._members.items()):
+        for peer_id in list(self._timed):
+            m = self._members[peer_id]
             if m.state == MemberState.SUSPECT and now >= m.since + self.config.suspect_timeout:
                 self._set_state(peer_id, MemberState.DEAD, m.incarnation, now, actions)
             elif m.state in _GONE and now >= m.since + self.config.tombstone_retention:
                 del self._members[peer_id]
+                self._timed.discard(peer_id)
         for seq in [s for s, r in self._relays.items() if now >= r.started + self.config.probe_interval]:
             del self._relays[seq]
         now_ms = _ms(now)
@@ -247,7 +254,7 @@ class GossipNode:
             targets = self._probeable()
             for peer_id in self.rng.sample(targets, min(self.config.fanout, len(targets))):
                 actions.append(self._send(peer_id, self._push_pull_request()))
-        if self._seeds and not self._probeable() and now >= self._next_seed_at:
+        if self._seeds and now >= self._next_seed_at and not self._probeable():
             self._next_seed_at = now + self.config.seed_retry_interval
             for address in self._seeds:
                 actions.append(self._send(address, self._push_pull_request()))
@@ -266,12 +273,16 @@ class GossipNode:
         probe = self._probe
         if probe is not None:
             if not probe.indirect_sent and now >= probe.started + self.config.probe_timeout:
-                probe.indirect_sent = True
+                probe.indirect_sent_at = now
                 helpers = [p for p in self._probeable() if p != probe.target]
                 req = pb.PingReq(seq=probe.seq, target_peer=probe.target, from_peer=self.self_id)
                 for helper in self.rng.sample(helpers, min(self.config.indirect_probes, len(helpers))):
                     actions.append(self._send(helper, pb.GossipMessage(ping_req=req)))
-            if now >= probe.started + self.config.probe_interval:
+            # the indirect probes get their whole window even when ticks are coarser than it: a
+            # tick that sends them must not also give up on them
+            window = self.config.probe_interval - self.config.probe_timeout
+            if (probe.indirect_sent_at is not None and now >= probe.started + self.config.probe_interval
+                    and now >= probe.indirect_sent_at + window):
                 self._probe = None
                 target = self._members.get(probe.target)
                 if target is not None and target.state == MemberState.ALIVE:
@@ -316,6 +327,10 @@ class GossipNode:
         if m is None:
             m = self._members[peer_id] = Member(peer_id, state, incarnation, now)
         m.state, m.incarnation, m.since = state, max(m.incarnation, incarnation), now
+        if state == MemberState.ALIVE:
+            self._timed.discard(peer_id)
+        else:
+            self._timed.add(peer_id)
         if state in _GONE:
             self.store.remove(peer_id, floor=m.incarnation)
             if self._probe is not None and self._probe.target == peer_id:
@@ -387,6 +402,7 @@ class GossipNode:
         if m is None:
             if state in _GONE:
                 self._members[digest.peer_id] = Member(digest.peer_id, state, digest.sequence, now)
+                self._timed.add(digest.peer_id)
                 self.store.remove(digest.peer_id, floor=digest.sequence)
                 self._enqueue(digest.peer_id, digest=digest)
             return

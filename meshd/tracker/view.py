@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from meshd.gossip.node import GossipNode
 
 DEFAULT_CONTEXT_LENGTH = 2048
+MAX_LAYERS = 1024  # more than any model has; placement and routing work per layer, so a card may not claim more
 UNREACHABLE_FOR_S = 10.0  # how long routes keep away from a peer that failed to answer, unless nothing else covers
 
 
@@ -105,7 +106,7 @@ def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
     for m in card.models:
         if m.shard_error:  # its shard failed its checks: neither placed nor routed
             continue
-        if not m.model_id or not m.compat_key or m.n_layers == 0 or m.range_end > m.n_layers:
+        if not m.model_id or not m.compat_key or not 0 < m.n_layers <= MAX_LAYERS or m.range_end > m.n_layers:
             continue  # a signed card may still say nonsense about a model: it offers nothing then
         placed = m.range_end > m.range_start
         layers = (m.range_end - m.range_start) if placed else m.n_layers
