@@ -34,6 +34,7 @@ def test_lost_probes_are_answered_by_indirect_ones_even_with_coarse_ticks():
 def test_a_partition_elects_a_tracker_on_each_side_and_the_heal_leaves_one():
     run = partition_and_heal(20, LinkModel(), seed=5)
     assert run["trackers_while_cut"] == 2 and run["split_s"] is not None
+    assert run["dead_across_the_cut"], "the cut lasted until each side had declared the other dead"
     assert run["trackers_after_heal"] == 1 and run["heal_s"] is not None
 
 

@@ -55,6 +55,7 @@ class GossipConfig:
     max_piggyback: int = 8
     seed_retry_interval: float = 2.0
     tombstone_retention: float = 300.0  # how long DEAD/LEFT peers stay in the digest
+    reconnect_interval: float = 5.0  # between push-pulls with a peer declared dead (or a seed): heals partitions
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
@@ -103,11 +104,11 @@ class _Broadcast:
     remaining: int
     digest: pb.MemberDigest | None = None
     card: pb.SignedCard | None = None
-    lease: pb.SignedLease | None = None
 
 
 _GONE = (MemberState.DEAD, MemberState.LEFT)
 VERIFIED_LEASES_KEPT = 64
+LEASES_SENT = 3  # the best leases held ride on every message (one, unless several peers claim at once)
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
 
 
@@ -137,6 +138,8 @@ class GossipNode:
         self._next_probe_at = 0.0
         self._next_pushpull_at = 0.0
         self._next_seed_at = 0.0
+        self._next_reconnect_at = 0.0
+        self._last_address: dict[str, Address] = {}  # where dead members were last seen, to try them again
         self._queue: dict[str, _Broadcast] = {}
         self._leases: dict[str, Lease] = {}
         # Every message carries the tracker's lease: the same signed bytes arrive many times a second,
@@ -244,6 +247,7 @@ class GossipNode:
             elif m.state in _GONE and now >= m.since + self.config.tombstone_retention:
                 del self._members[peer_id]
                 self._timed.discard(peer_id)
+                self._last_address.pop(peer_id, None)
         for seq in [s for s, r in self._relays.items() if now >= r.started + self.config.probe_interval]:
             del self._relays[seq]
         now_ms = _ms(now)
@@ -254,11 +258,23 @@ class GossipNode:
             targets = self._probeable()
             for peer_id in self.rng.sample(targets, min(self.config.fanout, len(targets))):
                 actions.append(self._send(peer_id, self._push_pull_request()))
+        if now >= self._next_reconnect_at:
+            self._next_reconnect_at = now + self.config.reconnect_interval
+            self._reconnect(actions)
         if self._seeds and now >= self._next_seed_at and not self._probeable():
             self._next_seed_at = now + self.config.seed_retry_interval
             for address in self._seeds:
                 actions.append(self._send(address, self._push_pull_request()))
         return actions
+
+    def _reconnect(self, actions: list[Action]) -> None:
+        """One push-pull with a random dead member's last address, or a seed: when a partition heals,
+        the two sides would otherwise never speak again, each having declared the other dead."""
+        dead = [self._last_address[p] for p, m in self._members.items()
+                if m.state == MemberState.DEAD and p in self._last_address]
+        candidates = dead or ([] if not self._probeable() else list(self._seeds))
+        if candidates:
+            actions.append(self._send(self.rng.choice(candidates), self._push_pull_request()))
 
     # -- failure detection ---------------------------------------------------------------------
 
@@ -329,9 +345,15 @@ class GossipNode:
         m.state, m.incarnation, m.since = state, max(m.incarnation, incarnation), now
         if state == MemberState.ALIVE:
             self._timed.discard(peer_id)
+            self._last_address.pop(peer_id, None)
         else:
             self._timed.add(peer_id)
         if state in _GONE:
+            held = self.store.get(peer_id)
+            if state == MemberState.DEAD and held is not None and held.card.addresses:
+                self._last_address[peer_id] = Address.coerce(held.card.addresses[0])
+            elif state == MemberState.LEFT:
+                self._last_address.pop(peer_id, None)
             self.store.remove(peer_id, floor=m.incarnation)
             if self._probe is not None and self._probe.target == peer_id:
                 self._probe = None
@@ -435,7 +457,6 @@ class GossipNode:
         if held is not None and (lease.term, lease.expires_at_ms) <= (held.term, held.expires_at_ms):
             return
         self._leases[lease.peer_id] = lease
-        self._enqueue("lease:" + lease.peer_id, lease=lease.signed)
         if report:
             actions.append(LeaseReceived(lease.signed))
 
@@ -460,22 +481,23 @@ class GossipNode:
     def _retransmits(self) -> int:
         return self.config.retransmit_mult * max(1, math.ceil(math.log10(len(self._members) + 2)))
 
-    def _enqueue(self, key: str, digest: pb.MemberDigest | None = None, card: pb.SignedCard | None = None,
-                 lease: pb.SignedLease | None = None) -> None:
-        self._queue[key] = _Broadcast(self._retransmits(), digest=digest, card=card, lease=lease)
+    def _enqueue(self, key: str, digest: pb.MemberDigest | None = None, card: pb.SignedCard | None = None) -> None:
+        self._queue[key] = _Broadcast(self._retransmits(), digest=digest, card=card)
 
     def _send(self, to: str | Address, body: pb.GossipMessage) -> Send:
-        """Wrap a message with as many pending broadcasts as fit, least-sent first."""
+        """Wrap a message with the best tracker leases held and as many pending broadcasts as fit,
+        least-sent first. The leases ride on every message rather than taking turns with the
+        broadcasts: a renewal must reach every peer before the lease it renews runs out, in a large
+        mesh too."""
         message = pb.GossipMessage()
         message.CopyFrom(body)
+        message.leases.extend(lease.signed for lease in sorted(self._leases.values(), key=Lease.rank)[:LEASES_SENT])
         chosen = sorted(self._queue.items(), key=lambda item: -item[1].remaining)[: self.config.max_piggyback]
         for key, entry in chosen:
             if entry.digest is not None:
                 message.updates.append(entry.digest)
             if entry.card is not None:
                 message.cards.append(entry.card)
-            if entry.lease is not None:
-                message.leases.append(entry.lease)
             entry.remaining -= 1
             if entry.remaining <= 0:
                 del self._queue[key]

@@ -7,8 +7,9 @@
   per second, the verdicts that called a live peer suspect or dead (every peer is alive, so each is
   false), and tracker changes.
 - **partition**: the mesh is cut in two halves; each half ends up with a tracker of its own (the
-  other side's lease runs out and cannot be renewed there); then the cut heals and one tracker
-  remains everywhere.
+  other side's lease runs out and cannot be renewed there), and the cut stays until each side has
+  declared the other dead; then it heals, and the sides find each other again (each peer tries a
+  dead member's last address now and then) until one tracker remains everywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshd.gossip import MemberState
+from meshd.daemon.control_plane import gossip_config
+from meshd.gossip import MemberState, dead_everywhere_bound
 from meshd.sim.mesh import LinkModel, SimMesh
 from meshd.stats import percentile
 
@@ -82,7 +84,12 @@ def partition_and_heal(n: int, link: LinkModel, seed: int) -> dict[str, Any]:
     split = mesh.run(60.0, both)
     out["trackers_while_cut"] = len(mesh.trackers())
     out["split_s"] = None if split is None else round(split - cut_at, 3)
-    mesh.run(2.0)  # a while with two trackers
+    # keep the cut until each side has declared the other dead: the hard case for the heal
+    hold = dead_everywhere_bound(gossip_config(mesh.config), n) + 2.0
+    mesh.run(max(2.0, cut_at + hold - mesh.elapsed))
+    out["cut_s"] = round(mesh.elapsed - cut_at, 3)
+    out["dead_across_the_cut"] = all(mesh.peers[p].gossip.members().get(q) == MemberState.DEAD
+                                     for p in sides[0][:3] for q in sides[1][:3])
     mesh.heal()
     healed_at = mesh.elapsed
     one = mesh.run(60.0, mesh.converged)
