@@ -55,7 +55,7 @@ class GossipConfig:
     max_piggyback: int = 8
     seed_retry_interval: float = 2.0
     tombstone_retention: float = 300.0  # how long DEAD/LEFT peers stay in the digest
-    reconnect_interval: float = 5.0  # between push-pulls with a peer declared dead (or a seed): heals partitions
+    reconnect_interval: float = 5.0  # between push-pulls with a peer declared dead: heals partitions
 
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
@@ -268,13 +268,13 @@ class GossipNode:
         return actions
 
     def _reconnect(self, actions: list[Action]) -> None:
-        """One push-pull with a random dead member's last address, or a seed: when a partition heals,
-        the two sides would otherwise never speak again, each having declared the other dead."""
+        """One push-pull with a random dead member's last address: when a partition heals, the two
+        sides would otherwise never speak again, each having declared the other dead. (Not a seed: every
+        peer asking the seed every few seconds would load it with the whole mesh's digests.)"""
         dead = [self._last_address[p] for p, m in self._members.items()
                 if m.state == MemberState.DEAD and p in self._last_address]
-        candidates = dead or ([] if not self._probeable() else list(self._seeds))
-        if candidates:
-            actions.append(self._send(self.rng.choice(candidates), self._push_pull_request()))
+        if dead:
+            actions.append(self._send(self.rng.choice(dead), self._push_pull_request()))
 
     # -- failure detection ---------------------------------------------------------------------
 
