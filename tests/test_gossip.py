@@ -233,3 +233,32 @@ def test_a_lease_seen_before_is_not_checked_again_but_a_forged_copy_is(monkeypat
     a.on_message(net.ids[1], pb.GossipMessage(leases=[forged]), 1.0)
     assert len(checks) == 2
     assert [pb.TrackerLease.FromString(s.lease).term for s in a.leases()] == [3]
+
+
+def test_a_card_with_a_bad_address_does_not_crash_peers_that_declare_it_dead():
+    net = Network(6)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    assert start is not None
+    liar = net.nodes[net.ids[4]]
+    liar.issuer.template = pb.CapabilityCard(addresses=["not an address"])
+    liar.republish(net.now)
+    net.run_until(start + 3.0)
+    net.silent.add(net.ids[4])
+    at = net.run_until(start + 40.0, lambda: net.all_see(net.ids[4], MemberState.DEAD))
+    assert at is not None
+    net.run_until(at + 10.0)  # reconnect attempts come every few seconds: none may raise
+    assert net.converged([p for p in net.ids if p != net.ids[4]])
+
+
+def test_a_claim_about_our_sequence_beyond_what_a_card_carries_is_ignored():
+    net = Network(3)
+    net.join_all_via(0)
+    assert net.run_until(20.0, net.converged) is not None
+    node = net.nodes[net.ids[1]]
+    before = node.issuer.sequence
+    msg = pb.GossipMessage(ping=pb.Ping(seq=1, from_peer=net.ids[0]),
+                           updates=[pb.MemberDigest(peer_id=net.ids[1], sequence=2**64 - 1, state=pb.SUSPECT)])
+    node.on_message(net.ids[0], msg, net.now)
+    node.republish(net.now + 1)  # would raise if the sequence had been pushed past a uint64
+    assert node.issuer.sequence <= before + 2

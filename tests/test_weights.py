@@ -272,3 +272,31 @@ async def test_bad_weight_requests_get_a_clear_refusal_and_good_ones_still_work(
     manifest = await router.dispatch("someone", pb.PeerRequest(manifest=pb.ManifestRequest(
         model_id=info.model_id, compat_key=info.compat_key)))
     assert manifest_from_message(manifest.manifest, info.weights_digest) == info.manifest
+
+
+def test_a_manifest_whose_sizes_do_not_follow_from_its_shapes_is_refused(tensors):
+    """The digest covers names, dtypes, shapes and chunk hashes, not sizes: a size a few bytes off
+    would have made every honest source look like a liar (its last chunk "too long")."""
+    entries = {n: TensorEntry(n, "U8", (len(raw),), *tensor_digest(raw)[:1], len(raw), tensor_digest(raw)[1])
+               for n, raw in tensors.items()}
+    manifest = Manifest(entries)
+    message = manifest_message(manifest)
+    message.tensors[0].nbytes -= 3
+    with pytest.raises(BadManifest, match="claims"):
+        manifest_from_message(message, manifest.digest)
+    message = manifest_message(manifest)
+    message.tensors[0].dtype = "Q8_0"
+    with pytest.raises(BadManifest):
+        manifest_from_message(message, manifest.digest)
+
+
+async def test_a_worker_waits_for_chunks_in_flight_elsewhere_before_giving_up(tensors, tmp_path):
+    """A holds only one tensor, B everything but keeps failing: B's chunks come back to the queue
+    after A's workers found nothing left for them, and A must still be there to take them."""
+    entries = [entry_of(n, raw) for n, raw in tensors.items()]
+    names = [e.name for e in entries]
+    sources = Sources(tensors, lacking={"a-only": set(names[1:]), "full": set()}, fail_after={"flaky": 0})
+    # "flaky" holds everything but never answers; "a-only" holds the first tensor; "full" holds the rest
+    sources.lacking["full"] = {names[0]}
+    stats = await fetch_chunks(entries, ["a-only", "flaky", "full"], sources.ask, tmp_path / "staging")
+    assert stats.bytes_fetched == stats.bytes_needed and list(stats.dropped) == ["flaky"]

@@ -151,7 +151,7 @@ class Peer:
         cfg = self.config
         try:
             info = await joining.describe()
-        except MeshError as exc:
+        except (MeshError, OSError) as exc:
             self.model_error = str(exc)
             joining.state = "failed"
             log.error("%s is not offered: %s", joining.model_id, exc)

@@ -26,6 +26,7 @@ with ``n`` members a silent peer goes undetected for ``p`` periods with probabil
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -33,7 +34,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshd.address import Address
+from meshd.address import Address, AddressError
 from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectReason, peek_peer_id, verify_card
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
 from meshd.gossip.events import Action, LeaseReceived, MemberChanged, MemberState, Send
@@ -108,6 +109,7 @@ class _Broadcast:
 
 _GONE = (MemberState.DEAD, MemberState.LEFT)
 VERIFIED_LEASES_KEPT = 64
+MAX_SEQUENCE = 2**62  # claims about our own sequence above this are ignored: a card's sequence is a uint64
 LEASES_SENT = 3  # the best leases held ride on every message (one, unless several peers claim at once)
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
 
@@ -351,7 +353,8 @@ class GossipNode:
         if state in _GONE:
             held = self.store.get(peer_id)
             if state == MemberState.DEAD and held is not None and held.card.addresses:
-                self._last_address[peer_id] = Address.coerce(held.card.addresses[0])
+                with contextlib.suppress(AddressError):  # a card's addresses are the peer's word: none kept
+                    self._last_address[peer_id] = Address.coerce(held.card.addresses[0])
             elif state == MemberState.LEFT:
                 self._last_address.pop(peer_id, None)
             self.store.remove(peer_id, floor=m.incarnation)
@@ -409,6 +412,8 @@ class GossipNode:
             return
         own = self.store.get(self.self_id)
         same_as_ours = own is not None and own.signed.card == signed.card
+        if card.sequence >= MAX_SEQUENCE:
+            return
         if card.sequence > self.issuer.sequence or (card.sequence == self.issuer.sequence and not same_as_ours):
             self._issue_own(now, at_least=card.sequence)
 
@@ -417,7 +422,8 @@ class GossipNode:
         if state is None or state == MemberState.ALIVE:
             return  # liveness is only ever proven by a signed card
         if digest.peer_id == self.self_id:
-            if self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence:
+            if (self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence
+                    and digest.sequence < MAX_SEQUENCE):  # beyond it we could never refute again
                 self._issue_own(now, at_least=digest.sequence)
             return
         m = self._members.get(digest.peer_id)

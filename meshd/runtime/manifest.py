@@ -34,7 +34,7 @@ log = logging.getLogger("meshd.runtime")
 HEADER_LIMIT = 100 * 1024 * 1024
 CHUNK_BYTES = 1024 * 1024  # the unit a tensor is hashed (and fetched from other peers) in
 CACHE_VERSION = 2
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -103,7 +103,7 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
         if not 0 <= begin <= end or data_start + end > size:
             raise ModelFormatError(f"{path} is truncated: tensor {name!r} ends at byte {data_start + end}, "
                                    f"the file has {size}")
-        expected = _ITEMSIZE.get(str(info["dtype"]), 0) * _numel(info["shape"])
+        expected = ITEMSIZE.get(str(info["dtype"]), 0) * _numel(info["shape"])
         if expected != end - begin:
             raise ModelFormatError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {expected}")
     return header, data_start

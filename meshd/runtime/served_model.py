@@ -88,7 +88,7 @@ class ServedModel:
         if self.prepare is not None:
             try:
                 await self.prepare(start, end)
-            except MeshError as exc:  # nothing is lost: the next placement order tries again
+            except (MeshError, OSError) as exc:  # nothing is lost: the next placement order tries again
                 self.load_started = False
                 log.error("layers [%d, %d) of %s cannot load yet: %s", start, end, self.info.model_id, exc)
                 return

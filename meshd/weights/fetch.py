@@ -135,6 +135,7 @@ async def fetch_chunks(entries: list[TensorEntry], sources: list[str], ask: Ask,
     if stats.bytes_on_disk:
         log.info("%s: %.1f of %.1f MB already on disk", what, stats.bytes_on_disk / 1e6, stats.bytes_needed / 1e6)
     remaining = len(pending)
+    in_flight = 0
     lacking: dict[str, set[str]] = {s: set() for s in sources}
     failures: dict[str, int] = dict.fromkeys(sources, 0)
 
@@ -153,19 +154,21 @@ async def fetch_chunks(entries: list[TensorEntry], sources: list[str], ask: Ask,
     with progress(f"fetching {what}", remaining, "chunks", logger=log, draw=False) as bar:
 
         async def worker(source: str) -> None:
-            nonlocal remaining
+            nonlocal remaining, in_flight
             while remaining and source not in stats.dropped:
                 item = next_for(source)
                 if item is None:
-                    if pending:  # what is left is what this source lacks
+                    if not in_flight:  # what is left is what this source lacks, and nothing can come back
                         return
                     await trio.sleep(WAIT_S)  # chunks in flight elsewhere may come back
                     continue
                 entry, index = item
                 offset, length = entry.chunk_span(index)
+                in_flight += 1
                 try:
                     data = await ask(source, entry, index)
                 except SourceFailed as exc:
+                    in_flight -= 1
                     pending.appendleft(item)
                     if exc.lacks:
                         lacking[source].add(entry.name)
@@ -174,6 +177,7 @@ async def fetch_chunks(entries: list[TensorEntry], sources: list[str], ask: Ask,
                     if failures[source] >= UNREACHABLE_LIMIT:
                         drop(source, f"failed {failures[source]} times in a row: {exc}")
                     continue
+                in_flight -= 1
                 if len(data) != length or hashlib.sha256(data).hexdigest() != entry.chunks[index]:
                     pending.appendleft(item)
                     stats.bytes_discarded += len(data)

@@ -31,7 +31,7 @@ from meshd.runtime.shard import range_tensors
 from meshd.tracker.view import MeshView
 from meshd.transport.streams import StreamOpener
 from meshd.weights.fetch import FetchStats, SourceFailed, WeightsUnavailable, assemble, fetch_chunks, seed_from
-from meshd.weights.source import BadManifest, manifest_from_message
+from meshd.weights.source import BadManifest, checked_manifest, manifest_from_message
 from meshd.wire import rpc_pb2 as pb
 
 log = logging.getLogger("meshd.weights")
@@ -112,10 +112,8 @@ class ModelJoin:
         stored = directory / MANIFEST_FILE
         if stored.is_file():
             try:
-                manifest = Manifest({e.name: e for e in map(entry_from_json, json.loads(stored.read_text()))})
-                if manifest.digest == weights_digest:
-                    return manifest
-            except (OSError, ValueError, KeyError, TypeError):
+                return checked_manifest([entry_from_json(e) for e in json.loads(stored.read_text())], weights_digest)
+            except (OSError, ValueError, KeyError, TypeError, BadManifest):
                 pass
             log.warning("the stored manifest of %s does not match its compat key; fetching it again", self.model_id)
         last: Exception | None = None
@@ -144,6 +142,9 @@ class ModelJoin:
         assert info is not None, "describe() first"
         config = await trio.to_thread.run_sync(load_config, info.model_dir)
         names = range_tensors(adapter_for(config), config, info.manifest.tensors, start, end)
+        missing = [n for n in names if n not in info.manifest.tensors]
+        if missing:
+            raise WeightsUnavailable(f"the manifest of {self.model_id} lacks {', '.join(missing)}")
         entries = [info.manifest.tensors[n] for n in names]
         staging = info.model_dir.parent / f"{info.model_dir.name}.partial"
         self.state = f"fetching layers [{start}, {end})"

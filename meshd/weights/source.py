@@ -18,8 +18,8 @@ from pathlib import Path
 import trio
 
 from meshd.errors import ErrorCode, MeshError, ModelFormatError
-from meshd.runtime.loader import SafetensorsIndex, is_gguf_model
-from meshd.runtime.manifest import CHUNK_BYTES, Manifest, TensorEntry, digest_of_chunks
+from meshd.runtime.loader import INDEX_FILE, SINGLE_FILE, SafetensorsIndex, is_gguf_model
+from meshd.runtime.manifest import CHUNK_BYTES, ITEMSIZE, Manifest, TensorEntry, digest_of_chunks
 from meshd.runtime.model_info import ModelInfo
 from meshd.wire import rpc_pb2 as pb
 
@@ -47,15 +47,25 @@ def manifest_message(manifest: Manifest) -> pb.WeightsManifest:
 
 def manifest_from_message(message: pb.WeightsManifest, weights_digest: str) -> Manifest:
     """The manifest a peer sent, once it is exactly the one ``weights_digest`` commits to."""
+    entries = [TensorEntry(r.name, r.dtype, tuple(r.shape), "", r.nbytes, tuple(c.hex() for c in r.chunks))
+               for r in message.tensors]
+    return checked_manifest(entries, weights_digest)
+
+
+def checked_manifest(entries: list[TensorEntry], weights_digest: str) -> Manifest:
+    """The manifest of ``entries`` (from a peer, or stored on disk), once every tensor's size follows
+    from its dtype and shape, its chunk hashes cover exactly that many bytes, and the whole hashes to
+    ``weights_digest``. (The digest does not cover sizes; they must follow from what it covers.)"""
     tensors: dict[str, TensorEntry] = {}
-    for record in message.tensors:
-        chunks = tuple(c.hex() for c in record.chunks)
-        if any(len(c) != 32 for c in record.chunks) or len(chunks) != math.ceil(record.nbytes / CHUNK_BYTES):
-            raise BadManifest(f"tensor {record.name!r} lists {len(chunks)} chunk hashes for {record.nbytes} bytes")
-        if record.name in tensors:
-            raise BadManifest(f"tensor {record.name!r} is listed twice")
-        tensors[record.name] = TensorEntry(record.name, record.dtype, tuple(record.shape),
-                                           digest_of_chunks(chunks), record.nbytes, chunks)
+    for e in entries:
+        itemsize = ITEMSIZE.get(e.dtype)
+        if itemsize is None or e.nbytes != itemsize * math.prod(e.shape):
+            raise BadManifest(f"tensor {e.name!r} claims {e.nbytes} bytes of {e.dtype} in shape {list(e.shape)}")
+        if any(len(c) != 64 for c in e.chunks) or len(e.chunks) != math.ceil(e.nbytes / CHUNK_BYTES):
+            raise BadManifest(f"tensor {e.name!r} lists {len(e.chunks)} chunk hashes for {e.nbytes} bytes")
+        if e.name in tensors:
+            raise BadManifest(f"tensor {e.name!r} is listed twice")
+        tensors[e.name] = TensorEntry(e.name, e.dtype, e.shape, digest_of_chunks(e.chunks), e.nbytes, e.chunks)
     manifest = Manifest(tensors)
     if manifest.digest != weights_digest:
         raise BadManifest(f"the manifest hashes to {manifest.digest[:16]}, the compat key commits to "
@@ -68,12 +78,31 @@ class WeightsSource:
 
     def __init__(self) -> None:
         self.info: ModelInfo | None = None
-        self._index: SafetensorsIndex | None = None
+        self._index: tuple[tuple[int, int, int], SafetensorsIndex] | None = None  # by the weight file's identity
         self.chunks_served = 0
 
     def offer(self, info: ModelInfo) -> None:
         self.info = info
         self._index = None
+
+    def _index_of(self, model_dir: Path) -> SafetensorsIndex:
+        """The directory's tensor index, read again whenever its weight file was rewritten (a peer that
+        fetched another range writes a new one)."""
+        top = model_dir / INDEX_FILE if (model_dir / INDEX_FILE).is_file() else model_dir / SINGLE_FILE
+        try:
+            st = top.stat()
+        except OSError:
+            raise WeightsRefused("this peer holds none of the model's tensors yet") from None
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._index
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        try:
+            index = SafetensorsIndex(model_dir)
+        except ModelFormatError:
+            raise WeightsRefused("this peer holds none of the model's tensors yet") from None
+        self._index = (identity, index)
+        return index
 
     def _model(self, compat_key: str) -> ModelInfo:
         info = self.info
@@ -100,12 +129,7 @@ class WeightsSource:
 
     def read_chunk(self, model_dir: Path, entry: TensorEntry, index: int) -> bytes:
         """Chunk ``index`` of the tensor from this peer's files, checked against the manifest."""
-        if self._index is None:
-            try:
-                self._index = SafetensorsIndex(model_dir)
-            except ModelFormatError:  # a peer that is still fetching its first range holds no tensors yet
-                raise WeightsRefused("this peer holds none of the model's tensors yet") from None
-        index_ = self._index
+        index_ = self._index_of(model_dir)
         if entry.name not in index_:
             raise WeightsRefused(f"this peer does not hold tensor {entry.name!r}")
         path, start, _nbytes = index_.location(entry.name)
