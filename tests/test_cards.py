@@ -147,3 +147,21 @@ def test_sweep_drops_expired_and_floor_blocks_resurrection(key):
     with pytest.raises(CardRejected) as info:
         store.accept(sign_card(make_card(key, sequence=3, expires_at_ms=NOW + 120_000), key), NOW + 60_000)
     assert info.value.reason == RejectReason.REPLAYED
+
+
+def test_a_flood_of_new_identities_fills_the_store_only_to_its_capacity():
+    """Identities cost nothing to make: a card flood must not grow memory without bound, and peers
+    already held keep updating their cards."""
+    store = CardStore(capacity=3)
+    keys = [Identity.generate() for _ in range(5)]
+    for k in keys[:3]:
+        assert store.accept(sign_card(make_card(k), k), NOW)
+    with pytest.raises(CardRejected) as info:
+        store.accept(sign_card(make_card(keys[3]), keys[3]), NOW)
+    assert info.value.reason == RejectReason.FULL and len(store) == 3
+    assert store.accept(sign_card(make_card(keys[0], sequence=2), keys[0]), NOW), "a held peer still updates"
+    store.remove(peer_id_from_public_key(keys[1].public_key))
+    assert store.accept(sign_card(make_card(keys[3]), keys[3]), NOW), "room again once a card went"
+    for k in keys:  # floors (of removed cards) are bounded as well
+        store.remove(peer_id_from_public_key(k.public_key))
+    assert len(store._floor) <= 3

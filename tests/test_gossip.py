@@ -262,3 +262,16 @@ def test_a_claim_about_our_sequence_beyond_what_a_card_carries_is_ignored():
     node.on_message(net.ids[0], msg, net.now)
     node.republish(net.now + 1)  # would raise if the sequence had been pushed past a uint64
     assert node.issuer.sequence <= before + 2
+
+
+def test_dead_claims_about_made_up_peers_are_bounded():
+    net = Network(3)
+    net.join_all_via(0)
+    assert net.run_until(20.0, net.converged) is not None
+    node = net.nodes[net.ids[1]]
+    node.store.capacity = 50
+    fake = [pb.MemberDigest(peer_id=f"made-up-{i}", sequence=1, state=pb.DEAD) for i in range(500)]
+    node.on_message(net.ids[0], pb.GossipMessage(ping=pb.Ping(seq=1, from_peer=net.ids[0]), updates=fake), net.now)
+    assert len(node.members()) <= 50
+    net.run_until(net.now + 5.0)
+    assert net.converged()

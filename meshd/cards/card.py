@@ -17,6 +17,8 @@ from meshd.errors import ErrorCode, MeshError
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.wire import card_pb2 as pb
 
+STORE_CAPACITY = 10_000
+
 
 class RejectReason(enum.StrEnum):
     BAD_SIGNATURE = "bad_signature"
@@ -24,6 +26,7 @@ class RejectReason(enum.StrEnum):
     EXPIRED = "expired"
     REPLAYED = "replayed"
     MALFORMED = "malformed"
+    FULL = "store_full"
 
 
 class CardRejected(MeshError):
@@ -104,6 +107,7 @@ class CardStore:
     or departed peer back; only a newer card from the peer itself can.
     """
 
+    capacity: int = STORE_CAPACITY  # peers' cards held at most: new identities cost nothing to make
     _cards: dict[str, Card] = field(default_factory=dict)
     _floor: dict[str, int] = field(default_factory=dict)
     _next_expiry_ms: int | None = None  # no card expires before this (it may be earlier than the truth)
@@ -119,6 +123,8 @@ class CardStore:
         held = self._cards.get(peer_id) if peer_id else None
         if held is not None and held.signed.card == signed.card and held.signed.signature == signed.signature:
             return False
+        if held is None and len(self._cards) >= self.capacity:
+            raise CardRejected(RejectReason.FULL, f"{self.capacity} cards held already")
         known = self.known_sequence(peer_id) if peer_id else None
         card = verify_card(signed, now_ms, known)
         self._cards[card.peer_id] = card
@@ -149,7 +155,10 @@ class CardStore:
         card = self._cards.pop(peer_id, None)
         marks = [s for s in (card.sequence if card else None, floor, self._floor.get(peer_id)) if s is not None]
         if marks:
+            self._floor.pop(peer_id, None)
             self._floor[peer_id] = max(marks)
+            while len(self._floor) > self.capacity:  # the oldest floors go first (their cards have expired since)
+                del self._floor[next(iter(self._floor))]
         return card
 
     def sweep(self, now_ms: int) -> list[str]:

@@ -389,7 +389,8 @@ class GossipNode:
                 return
         except CardRejected as exc:
             self.rejected_cards[exc.reason] += 1
-            level = logging.INFO if exc.reason == RejectReason.REPLAYED else logging.WARNING
+            level = logging.INFO if exc.reason == RejectReason.REPLAYED else (
+                logging.DEBUG if exc.reason == RejectReason.FULL else logging.WARNING)
             log.log(level, "card for %s rejected (%s): %s", str(peer_id)[:12], exc.reason, exc)
             return
         assert peer_id is not None
@@ -428,7 +429,7 @@ class GossipNode:
             return
         m = self._members.get(digest.peer_id)
         if m is None:
-            if state in _GONE:
+            if state in _GONE and len(self._members) < self.store.capacity:  # tombstones are bounded too
                 self._members[digest.peer_id] = Member(digest.peer_id, state, digest.sequence, now)
                 self._timed.add(digest.peer_id)
                 self.store.remove(digest.peer_id, floor=digest.sequence)
