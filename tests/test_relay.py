@@ -11,11 +11,11 @@ import pytest
 import torch
 import trio
 from meshd_relay import RelayConfig, RelayServer, load_config
-from meshd_relay.limits import TokenBucket
 from trio_websocket import ConnectionClosed, open_websocket
 
 from meshd.address import Address, relay_address
 from meshd.identity import Identity
+from meshd.limits import TokenBucket
 from meshd.transport import Transport
 from meshd.transport.relay import (
     CLOSE_CODES,

@@ -83,3 +83,27 @@ def test_a_handler_is_registered_once_and_only_for_a_known_kind():
         router.register("gossip", handler)
     with pytest.raises(ValueError, match="not a kind"):
         router.register("telemetry", handler)
+
+
+async def test_a_flooding_peer_is_refused_at_its_rate_and_others_are_not():
+    from meshd.wire import card_pb2 as cpb
+
+    rpb = pb
+    now = [0.0]
+    router = RpcRouter(limits={"gossip": (10.0, 20.0)}, clock=lambda: now[0])
+    handled = []
+
+    async def gossip(sender, message):
+        handled.append(sender)
+        return rpb.Accepted()
+
+    router.register("gossip", gossip)
+    request = rpb.PeerRequest(gossip=cpb.GossipMessage())
+    replies = [await router.dispatch("flooder", request) for _ in range(50)]
+    assert [r.WhichOneof("body") for r in replies].count("accepted") == 20, "the burst, then refusals"
+    assert replies[-1].error.code == ErrorCode.RATE_LIMITED and router.rate_limited == {"gossip": 30}
+    assert (await router.dispatch("honest", request)).WhichOneof("body") == "accepted"
+    now[0] += 1.0  # ten more a second
+    later = [(await router.dispatch("flooder", request)).WhichOneof("body") for _ in range(15)]
+    assert later.count("accepted") == 10
+    assert handled.count("flooder") == 30

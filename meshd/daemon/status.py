@@ -41,6 +41,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "members": {p: s.name for p, s in control.gossip.members().items()},
         "models_covered": control.view.covered_models(),
         "rejected_cards": {str(k): v for k, v in control.gossip.rejected_cards.items()},
+        "rate_limited_requests": dict(peer.rpc.rate_limited),
         "uptime_s": round(now - control.started_at, 1),
         "reachability": peer.reachability.status(),
     }

@@ -5,12 +5,15 @@ files, dial-back tests) travels on its own ``/meshd/rpc`` stream as protobuf. Th
 table of handlers keyed by the request body's kind; a handler gets the proven sender and the body,
 and returns the reply body. A refusal is a :class:`~meshd.errors.MeshError`, answered as an
 ``RpcError`` with its code; the caller gets it back as :class:`RpcFailed` with the same code, so no
-side ever compares prose.
+side ever compares prose. Each peer may send each kind of request at a bounded rate
+(:data:`RATE_LIMITS`, per sender); above it the request is answered ``RATE_LIMITED`` without reaching
+its handler, so one flooding peer costs the others nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from meshd.address import Address
 from meshd.errors import ErrorCode, MeshError, RemoteError
+from meshd.limits import TokenBucket
 from meshd.transport.errors import TransportError
 from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import rpc_pb2 as pb
@@ -27,6 +31,14 @@ log = logging.getLogger("meshd.rpc")
 
 RPC_PATH = "/meshd/rpc"
 REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
+# Requests one peer may send another, per kind: (per second, burst). Well above what the protocol
+# needs (gossip: a few messages a second from any one peer; chunks: a fetch's requests in flight),
+# so that only a peer that floods is refused.
+RATE_LIMITS: dict[str, tuple[float, float]] = {
+    "gossip": (50.0, 200.0), "route": (100.0, 400.0), "placement": (10.0, 40.0), "model_files": (10.0, 40.0),
+    "dialback": (2.0, 10.0), "manifest": (5.0, 20.0), "chunk": (500.0, 1000.0),
+}
+MAX_SENDERS = 10_000  # senders whose rates are tracked; the longest unheard are forgotten first
 
 Handler = Callable[[str, Any], Awaitable[Message]]
 """``handler(sender peer id, request body) -> reply body`` (a message that fits ``PeerReply.body``)."""
@@ -57,10 +69,29 @@ def error_reply(code: ErrorCode, message: str) -> pb.PeerReply:
 class RpcRouter:
     """The responder's table of handlers, one per kind of ``PeerRequest``."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: dict[str, tuple[float, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._handlers: dict[str, Handler] = {}
         self.served: dict[str, int] = {}
         self.refused: dict[str, int] = {}
+        self.rate_limited: dict[str, int] = {}
+        self.limits = RATE_LIMITS if limits is None else limits
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def _allowed(self, sender: str, kind: str) -> bool:
+        limit = self.limits.get(kind)
+        if limit is None:
+            return True
+        now = self.clock()
+        key = (sender, kind)
+        bucket = self._buckets.pop(key, None)  # re-inserted last: the dict stays in order of last use
+        if bucket is None:
+            bucket = TokenBucket(limit[0], limit[1], 0.0, now)
+            while len(self._buckets) >= MAX_SENDERS * len(self.limits):
+                del self._buckets[next(iter(self._buckets))]
+        self._buckets[key] = bucket
+        return bucket.take(1, now) == 0.0
 
     def register(self, kind: str, handler: Handler) -> None:
         if kind not in REQUEST_KINDS:
@@ -76,6 +107,10 @@ class RpcRouter:
         if handler is None:
             self.refused[str(kind)] = self.refused.get(str(kind), 0) + 1
             return error_reply(ErrorCode.BAD_REQUEST, f"this peer does not answer {kind!r} requests")
+        if not self._allowed(sender, kind):
+            self.rate_limited[kind] = self.rate_limited.get(kind, 0) + 1
+            log.debug("%s request from %s refused: over its rate", kind, sender[:12])
+            return error_reply(ErrorCode.RATE_LIMITED, f"too many {kind} requests from this peer; slow down")
         try:
             reply = reply_of(await handler(sender, getattr(request, kind)))
         except MeshError as exc:

@@ -27,6 +27,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from meshd.address import Address
 from meshd.api.openai_server import serve_asgi, start_listener
 from meshd.files import write_atomically
+from meshd.limits import TokenBucket
 from meshd.transport.relay import (
     ACCEPT_PREFIX,
     CLOSE_CODES,
@@ -43,7 +44,6 @@ from meshd.transport.relay import (
     registered_message,
 )
 from meshd_relay.config import RelayConfig
-from meshd_relay.limits import TokenBucket
 from meshd_relay.metrics import RelayMetrics
 
 log = logging.getLogger("meshd.relay")

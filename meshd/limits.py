@@ -1,4 +1,5 @@
-"""Per-peer bandwidth accounting as a pure state machine (time is passed in)."""
+"""Rates with a burst, per peer, as a pure state machine (time is passed in): the relay's bandwidth
+per registered peer, and the requests a peer answers from each other peer."""
 
 from __future__ import annotations
 
