@@ -74,6 +74,42 @@ class JoinGate:
         return now - self.started_at > 2 * self.config.lease_duration_s
 
 
+Outward = Send | TrackerChanged | MemberChanged  # what the core leaves to whoever runs it
+
+
+@dataclass
+class ControlCore:
+    """One peer's gossip and election wired together, without IO: leases heard by gossip go to the
+    election, leases it issues go out by gossip, and what is left (messages to send, changes to
+    report) is returned. The daemon performs it over the transport; the simulation over its network."""
+
+    gossip: GossipNode
+    election: Election
+    gate: JoinGate
+
+    def settle(self, actions: Iterable[GossipAction | ElectionAction], now: float) -> list[Outward]:
+        out: list[Outward] = []
+        for action in actions:
+            if isinstance(action, LeaseReceived):
+                out += self.settle(self.election.on_lease(action.signed, now), now)
+            elif isinstance(action, BroadcastLease):
+                self.gossip.publish_lease(action.signed, now)
+            else:
+                out.append(action)
+        return out
+
+    def on_message(self, sender: str, message: cpb.GossipMessage, now: float) -> list[Outward]:
+        return self.settle(self.gossip.on_message(sender, message, now), now)
+
+    def tick(self, now: float, may_claim: bool) -> list[Outward]:
+        """Tick gossip, then the election; ``may_claim``: whether this peer may take the tracker role
+        now (the join gate is applied on top)."""
+        out = self.settle(self.gossip.tick(now), now)
+        alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
+        self.election.eligible = may_claim and self.gate.joined(now, self.gossip.members())
+        return out + self.settle(self.election.tick(now, alive_eligible), now)
+
+
 class ControlPlane:
     def __init__(self, identity: Identity, config: PeerConfig, opener: StreamOpener,
                  card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool],
@@ -93,7 +129,7 @@ class ControlPlane:
         self.view = MeshView(self.gossip, clock=time.monotonic)
         self.leaving = False
         self.started_at = time.time()
-        self.join_gate = JoinGate(config, self.started_at)
+        self.core = ControlCore(self.gossip, self.election, JoinGate(config, self.started_at))
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -127,12 +163,9 @@ class ControlPlane:
                 await trio.sleep(TICK_S)
 
     async def tick(self, now: float) -> None:
-        await self.perform(self.gossip.tick(now))
-        alive_eligible = [p for p, c in self.gossip.live_cards().items() if c.card.tracker_eligible]
         # the tracker must be directly reachable: every peer asks it for routes
-        self.election.eligible = (self.config.tracker_eligible and not self.leaving
-                                  and self.join_gate.joined(now, self.gossip.members()) and self.directly_reachable())
-        await self.perform(self.election.tick(now, alive_eligible))
+        may_claim = self.config.tracker_eligible and not self.leaving and self.directly_reachable()
+        self.perform(self.core.tick(now, may_claim))
         if self.election.tracker(now) == self.peer_id:
             for order in self.duties.placement_orders(self.view.offers(), now):
                 self._start(self._send_placement, order)
@@ -140,21 +173,16 @@ class ControlPlane:
     async def leave(self) -> None:
         """Say goodbye by gossip; from now on this peer claims nothing."""
         self.leaving = True
-        await self.perform(self.gossip.leave(time.time()))
+        self.perform(self.core.settle(self.gossip.leave(time.time()), time.time()))
 
     def _start(self, fn: Callable[..., object], *args: object) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    async def perform(self, actions: Iterable[GossipAction | ElectionAction]) -> None:
-        now = time.time()
+    def perform(self, actions: Iterable[Outward]) -> None:
         for action in actions:
             if isinstance(action, Send):
                 self._start(self._deliver, action)
-            elif isinstance(action, LeaseReceived):
-                await self.perform(self.election.on_lease(action.signed, now))
-            elif isinstance(action, BroadcastLease):
-                self.gossip.publish_lease(action.signed, now)
             elif isinstance(action, TrackerChanged):
                 self.metrics.tracker_changes.inc()
                 log.info("tracker is now %s (term %d)", str(action.new)[:12], action.term)
@@ -198,7 +226,7 @@ class ControlPlane:
     async def on_gossip(self, sender: str, message: cpb.GossipMessage) -> pb.Accepted:
         self.view.heard_from(sender, time.time())
         self.metrics.gossip.labels("received").inc()
-        await self.perform(self.gossip.on_message(sender, message, time.time()))
+        self.perform(self.core.on_message(sender, message, time.time()))
         return pb.Accepted()
 
     async def on_route(self, sender: str, request: pb.RouteRequest) -> pb.RouteReply | pb.NoRoute:

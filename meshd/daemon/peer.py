@@ -40,7 +40,7 @@ from meshd.models.gguf_model import model_directory
 from meshd.rpc import RPC_PATH, RpcRouter
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
-from meshd.runtime.model_info import choose_numerics, describe_model
+from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
 from meshd.runtime.served_model import PlacementRefused, ServedModel
 from meshd.session import messages as seam
 from meshd.session.entry import EntryConfig, EntrySessions
@@ -140,11 +140,15 @@ class Peer:
         log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
         info = describe_model(model_dir, config.model_id or model_id, numerics=choice.numerics,
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
-        host = ShardHost(model_dir, numerics=info.numerics, manifest=info.manifest,
-                         max_chunk_tokens=max(512, config.chunk_tokens), kv_budget_bytes=config.kv_budget,
-                         batch_hold=config.batch_hold, compute=compute)
+        host = self._shard_host(info, compute)
         return ServedModel(info, host, pinned=config.layers, on_change=self._republish,
                            measured_ms=choice.measured_ms)
+
+    def _shard_host(self, info: ModelInfo, compute: ComputeThread) -> ShardHost:
+        cfg = self.config
+        return ShardHost(info.model_dir, numerics=info.numerics, manifest=info.manifest,
+                         max_chunk_tokens=max(512, cfg.chunk_tokens), kv_budget_bytes=cfg.kv_budget,
+                         batch_hold=cfg.batch_hold, compute=compute)
 
     async def _join_model(self, joining: ModelJoin) -> None:
         """Serve the model named by ``--model-id`` from fetched files; a failure is said by the status."""
@@ -156,9 +160,7 @@ class Peer:
             joining.state = "failed"
             log.error("%s is not offered: %s", joining.model_id, exc)
             return
-        host = ShardHost(info.model_dir, numerics=info.numerics, manifest=info.manifest,
-                         max_chunk_tokens=max(512, cfg.chunk_tokens), kv_budget_bytes=cfg.kv_budget,
-                         batch_hold=cfg.batch_hold)
+        host = self._shard_host(info, ComputeThread())
 
         async def fetch(start: int, end: int) -> None:
             await joining.fetch_range(start, end)

@@ -19,7 +19,7 @@ import trio
 from meshd.errors import ErrorCode, MeshError
 from meshd.files import staged_directory
 from meshd.models.text import TextCodec
-from meshd.rpc import RpcFailed, call
+from meshd.rpc.router import NoSourceAnswered, ask_in_turn
 from meshd.runtime.model_info import CONFIG_FILES, TOKENIZER_FILES, ModelInfo, compat_key_of, read_small_files
 from meshd.runtime.model_info import tokenizer_digest_of as digest_of
 from meshd.transport.streams import StreamOpener
@@ -103,24 +103,21 @@ class ModelFilesCache:
         stored = self.root / compat_key
         if await trio.to_thread.run_sync(_stored_is_valid, stored, compat_key):
             return stored
-        last: Exception | None = None
-        for peer_id, address in sources(compat_key):
-            request = pb.PeerRequest(model_files=pb.ModelFilesRequest(model_id=model_id, compat_key=compat_key))
-            try:
-                reply = await call(self.opener, peer_id, address, request, timeout=FETCH_TIMEOUT_S)
-                if reply.WhichOneof("body") != "model_files":
-                    raise ModelFilesUnavailable(f"answered {reply.WhichOneof('body')!r}")
-                got = reply.model_files
-                files = dict(got.files)
-                check_files(files, got.architecture, got.weights_digest, got.numerics, compat_key)
-            except (RpcFailed, ModelFilesUnavailable) as exc:
-                log.warning("model files of %s from %s refused: %s", model_id, peer_id[:12], exc)
-                last = exc
-                continue
-            await trio.to_thread.run_sync(_store, stored, files, got.architecture, got.weights_digest, got.numerics)
-            log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
-            return stored
-        raise ModelFilesUnavailable(f"no peer handed out the files of {model_id} ({compat_key})") from last
+
+        def checked(got: pb.ModelFiles) -> pb.ModelFiles:
+            check_files(dict(got.files), got.architecture, got.weights_digest, got.numerics, compat_key)
+            return got
+
+        request = pb.PeerRequest(model_files=pb.ModelFilesRequest(model_id=model_id, compat_key=compat_key))
+        try:
+            peer_id, got = await ask_in_turn(self.opener, sources(compat_key), request, "model_files", checked,
+                                             FETCH_TIMEOUT_S, f"the files of {model_id} ({compat_key})")
+        except NoSourceAnswered as exc:
+            raise ModelFilesUnavailable(str(exc)) from exc
+        await trio.to_thread.run_sync(_store, stored, dict(got.files), got.architecture, got.weights_digest,
+                                      got.numerics)
+        log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
+        return stored
 
 
 def _stored_is_valid(directory: Path, compat_key: str) -> bool:

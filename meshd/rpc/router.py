@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import trio
 from google.protobuf.message import DecodeError, Message
@@ -28,6 +28,7 @@ from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import rpc_pb2 as pb
 
 log = logging.getLogger("meshd.rpc")
+T = TypeVar("T")
 
 RPC_PATH = "/meshd/rpc"
 REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
@@ -143,6 +144,29 @@ class RpcRouter:
                 await stream.end()
                 return
         await stream.reset()
+
+
+class NoSourceAnswered(MeshError):
+    """Every peer asked refused, failed, or answered something that did not check out."""
+
+    code = ErrorCode.NO_ROUTE
+
+
+async def ask_in_turn(opener: StreamOpener, sources: Iterable[tuple[str, str]], request: pb.PeerRequest,
+                      kind: str, check: Callable[[Any], T], timeout: float, what: str) -> tuple[str, T]:
+    """Ask each (peer id, address) in turn for ``kind``; the first peer whose reply ``check`` accepts
+    (it returns the checked value, or raises a :class:`MeshError` to refuse it) and that value."""
+    last: Exception | None = None
+    for peer_id, address in sources:
+        try:
+            reply = await call(opener, peer_id, address, request, timeout=timeout)
+            if reply.WhichOneof("body") != kind:
+                raise RpcFailed(ErrorCode.PROTOCOL, f"answered {reply.WhichOneof('body')!r}", peer_id)
+            return peer_id, check(getattr(reply, kind))
+        except MeshError as exc:
+            log.warning("%s from %s refused: %s", what, peer_id[:12], exc)
+            last = exc
+    raise NoSourceAnswered(f"no peer handed out {what}" + (f"; the last said: {last}" if last else "")) from last
 
 
 async def call(opener: StreamOpener, peer_id: str | None, address: Address | str, request: pb.PeerRequest,

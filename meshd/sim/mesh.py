@@ -1,6 +1,7 @@
 """N simulated peers: each a real :class:`~meshd.gossip.node.GossipNode` and
-:class:`~meshd.election.election.Election`, configured as a daemon configures them, wired as the
-control plane wires them, exchanging serialized messages over a simulated network.
+:class:`~meshd.election.election.Election`, configured as a daemon configures them, wired by the same
+:class:`~meshd.daemon.control_plane.ControlCore` as in the daemon, exchanging serialized messages
+over a simulated network.
 
 The network delivers every message after a one-way latency plus jitter, loses each with a given
 probability, and drops every message between two sides of a partition. Time is a fake clock that
@@ -20,9 +21,9 @@ from dataclasses import dataclass, field, replace
 
 from meshd.address import Address
 from meshd.daemon.config import PeerConfig
-from meshd.daemon.control_plane import TICK_S, JoinGate, election_config, gossip_config
-from meshd.election import BroadcastLease, Election, TrackerChanged
-from meshd.gossip import GossipNode, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.daemon.control_plane import TICK_S, ControlCore, JoinGate, Outward, election_config, gossip_config
+from meshd.election import Election, TrackerChanged
+from meshd.gossip import GossipNode, MemberChanged, MemberState, Send
 from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
@@ -40,11 +41,17 @@ class LinkModel:
 class SimPeer:
     peer_id: str
     address: str
-    gossip: GossipNode
-    election: Election
-    gate: JoinGate
+    core: ControlCore
     sent_bytes: int = 0
     received_bytes: int = 0
+
+    @property
+    def gossip(self) -> GossipNode:
+        return self.core.gossip
+
+    @property
+    def election(self) -> Election:
+        return self.core.election
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ class SimMesh:
             if i:
                 gossip.add_seed(seed_address)
             election = Election(identity.peer_id, True, election_config(config), identity=identity)
-            peer = SimPeer(identity.peer_id, address, gossip, election, JoinGate(config, self.now))
+            peer = SimPeer(identity.peer_id, address, ControlCore(gossip, election, JoinGate(config, self.now)))
             self.peers[peer.peer_id] = peer
             self._by_address[address] = peer.peer_id
         self.ids = list(self.peers)
@@ -119,7 +126,7 @@ class SimMesh:
             return True
         return self.link.loss > 0 and self.rng.random() < self.link.loss
 
-    def _perform(self, peer: SimPeer, actions: Sequence[object]) -> None:
+    def _perform(self, peer: SimPeer, actions: Sequence[Outward]) -> None:
         for action in actions:
             if isinstance(action, Send):
                 to = self._by_address[str(action.to)] if isinstance(action.to, Address) else action.to
@@ -127,10 +134,6 @@ class SimMesh:
                 peer.sent_bytes += len(raw)
                 delay = self.link.latency_s + self.rng.random() * self.link.jitter_s
                 heapq.heappush(self._queue, (self.now + delay, next(self._order), peer.peer_id, to, raw))
-            elif isinstance(action, LeaseReceived):
-                self._perform(peer, peer.election.on_lease(action.signed, self.now))
-            elif isinstance(action, BroadcastLease):
-                peer.gossip.publish_lease(action.signed, self.now)
             elif isinstance(action, TrackerChanged):
                 self.changes.append(Change(self.elapsed, peer.peer_id, action.new, action.term))
             elif isinstance(action, MemberChanged):
@@ -147,13 +150,10 @@ class SimMesh:
                 continue
             target = self.peers[to]
             target.received_bytes += len(raw)
-            self._perform(target, target.gossip.on_message(sender, pb.GossipMessage.FromString(raw), self.now))
+            self._perform(target, target.core.on_message(sender, pb.GossipMessage.FromString(raw), self.now))
         self.now = tick_at
         for peer in self.peers.values():
-            self._perform(peer, peer.gossip.tick(self.now))
-            alive_eligible = [p for p, c in peer.gossip.live_cards().items() if c.card.tracker_eligible]
-            peer.election.eligible = peer.gate.joined(self.now, peer.gossip.members())
-            self._perform(peer, peer.election.tick(self.now, alive_eligible))
+            self._perform(peer, peer.core.tick(self.now, may_claim=True))
 
     def run(self, seconds: float, until: Callable[[], bool] | None = None) -> float | None:
         """Run ``seconds`` of simulated time, or until ``until()`` holds; the elapsed time it first held."""

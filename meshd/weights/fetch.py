@@ -110,7 +110,8 @@ def seed_from(model_dir: Path, staging: Path, entries: list[TensorEntry]) -> Non
             continue
         with path.open("rb") as src, part.open("wb") as dst:
             src.seek(start)
-            dst.write(src.read(nbytes))
+            for offset in range(0, nbytes, CHUNK_BYTES):
+                dst.write(src.read(min(CHUNK_BYTES, nbytes - offset)))
 
 
 def _write_chunk(path: Path, offset: int, data: bytes) -> None:

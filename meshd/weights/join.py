@@ -22,6 +22,7 @@ from meshd.errors import ErrorCode
 from meshd.files import write_atomically
 from meshd.models.artifacts import SOURCE_FILE, ModelFilesCache
 from meshd.rpc import RpcFailed, call
+from meshd.rpc.router import NoSourceAnswered, ask_in_turn
 from meshd.runtime.adapters import adapter_for
 from meshd.runtime.loader import load_config
 from meshd.runtime.manifest import Manifest, TensorEntry, entry_as_json, entry_from_json
@@ -116,23 +117,17 @@ class ModelJoin:
             except (OSError, ValueError, KeyError, TypeError, BadManifest):
                 pass
             log.warning("the stored manifest of %s does not match its compat key; fetching it again", self.model_id)
-        last: Exception | None = None
-        for peer_id, address in self.view.sources_of(compat_key):
-            request = pb.PeerRequest(manifest=pb.ManifestRequest(model_id=self.model_id, compat_key=compat_key))
-            try:
-                reply = await call(self.opener, peer_id, address, request, timeout=ASK_TIMEOUT_S)
-                if reply.WhichOneof("body") != "manifest":
-                    raise BadManifest(f"answered {reply.WhichOneof('body')!r}")
-                manifest = manifest_from_message(reply.manifest, weights_digest)
-            except (RpcFailed, BadManifest) as exc:
-                log.warning("the manifest of %s from %s refused: %s", self.model_id, peer_id[:12], exc)
-                last = exc
-                continue
-            entries = [entry_as_json(e) for e in manifest.tensors.values()]
-            await trio.to_thread.run_sync(write_atomically, stored, json.dumps(entries))
-            return manifest
-        raise WeightsUnavailable(f"no peer handed out the manifest of {self.model_id} ({compat_key})"
-                                 + (f"; the last said: {last}" if last is not None else "")) from last
+        request = pb.PeerRequest(manifest=pb.ManifestRequest(model_id=self.model_id, compat_key=compat_key))
+        try:
+            _peer, manifest = await ask_in_turn(
+                self.opener, self.view.sources_of(compat_key), request, "manifest",
+                lambda got: manifest_from_message(got, weights_digest), ASK_TIMEOUT_S,
+                f"the manifest of {self.model_id} ({compat_key})")
+        except NoSourceAnswered as exc:
+            raise WeightsUnavailable(str(exc)) from exc
+        entries = [entry_as_json(e) for e in manifest.tensors.values()]
+        await trio.to_thread.run_sync(write_atomically, stored, json.dumps(entries))
+        return manifest
 
     # -- a range's tensors -----------------------------------------------------------------------
 
