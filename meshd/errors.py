@@ -25,6 +25,8 @@ class ErrorCode(enum.StrEnum):
     BAD_IDENTITY = "bad_identity"
     CARD_REJECTED = "card_rejected"
     LEASE_REJECTED = "lease_rejected"
+    NOT_MEMBER = "not_member"
+    INVITE_REFUSED = "invite_refused"
     # the transport
     TRANSPORT_ERROR = "transport_error"
     PEER_AUTH = "peer_auth"

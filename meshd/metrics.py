@@ -41,6 +41,8 @@ class Levels:
     links: dict[str, int] = field(default_factory=dict)     # live outbound connections, by "direct" / "relay"
     relays_registered: int = 0
     decode_batches: dict[int, int] = field(default_factory=dict)  # by size, since the shard loaded
+    rejected_cards: dict[str, int] = field(default_factory=dict)  # by reason, since start
+    transport_refusals: dict[str, int] = field(default_factory=dict)  # connections and streams, by reason
 
 
 class PeerMetrics:
@@ -59,6 +61,8 @@ class PeerMetrics:
                                 registry=r)
         self.repairs = Counter("meshd_repairs", "Route failures the entry repaired or tried to, by cause", ["cause"],
                                registry=r)
+        self.peer_refusals = Counter("meshd_peer_refusals", "Peer requests and streams refused, by kind and error "
+                                     "code (rate_limited, not_member ...)", ["kind", "code"], registry=r)
         self.gossip = Counter("meshd_gossip_messages", "Gossip messages, by direction", ["direction"], registry=r)
         self.tracker_changes = Counter("meshd_tracker_changes", "Times this peer saw the tracker change", registry=r)
         self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)  # for the status page
@@ -103,6 +107,17 @@ class _LevelsCollector(Collector):
         for size, count in sorted(now.decode_batches.items()):
             batches.add_metric([str(size)], count)
         yield batches
+        yield _counted("meshd_cards_rejected", "Capability cards refused, by reason (bad_signature, replayed, "
+                       "store_full, not_member ...)", "reason", now.rejected_cards)
+        yield _counted("meshd_transport_refusals", "Inbound connections and streams the transport refused, by "
+                       "reason (handshake_timeout, handshakes_full, buffer_full ...)", "reason", now.transport_refusals)
+
+
+def _counted(name: str, text: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, text, labels=[label])
+    for key, count in sorted(values.items()):
+        family.add_metric([key], count)
+    return family
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

@@ -46,3 +46,40 @@ def chat_reference(model_dir: Path, question: str, max_new_tokens: int) -> str:
                                      tokenize=True, return_dict=True)["input_ids"]
     tokens, _ = reference_generate(model_dir, list(prompt), max_new_tokens)
     return tok.decode(tokens, skip_special_tokens=True)
+
+
+async def join_mesh(transport, admitter) -> object:
+    """Redeem a fresh invite from ``admitter`` (a LocalPeer holding the admission key) over
+    ``transport``, as ``meshd join`` does, and show the credential on every stream it opens from then
+    on; returns the credential."""
+    from meshd.admission import MeshGate, parse_token
+    from meshd.rpc import call
+    from meshd.wire import admission_pb2 as apb
+    from meshd.wire import rpc_pb2 as rpb
+
+    signed, _ = parse_token(admitter.invite())
+    request = rpb.PeerRequest(join=apb.JoinRequest(invite=signed))
+    reply = await call(transport, admitter.peer_id, admitter.listen, request, timeout=10)
+    membership = reply.joined.membership
+    transport.stream_headers.update(MeshGate(b"", transport.identity.peer_id, own=membership).header())
+    return membership
+
+
+def api_chat(peer, content: str = "hello", max_tokens: int = 8, **extra) -> str:
+    """One greedy chat completion of the built-in ``tiny`` model through ``peer``'s OpenAI API."""
+    import httpx2 as httpx
+
+    reply = httpx.post(f"http://{peer.api}/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "temperature": 0, **extra})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def metric_total(peer, family: str, label: str) -> float:
+    """The sum of a counter family's ``_total`` samples carrying ``label`` (``name="value"``)."""
+    import httpx2 as httpx
+
+    text = httpx.get(f"http://{peer.status['metrics']}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(family + "_total") and label in line)

@@ -40,6 +40,7 @@ class Hop:
     scope: trio.CancelScope
     info: ModelInfo
     hung: bool = False  # this hop stops computing (and so answering), though its streams stay open
+    claims: tuple[int, int] | None = None  # the range its offer claims, when it lies about it
 
     @property
     def kv_sessions(self) -> int:
@@ -53,6 +54,7 @@ class Routes:
     mesh: InProcessMesh
     dead: set[str] = field(default_factory=set)          # gossip's verdict, as the entry sees it
     unreachable: list[str] = field(default_factory=list)  # what the entry reported
+    demoted: dict[str, str] = field(default_factory=dict)  # peers whose offers the entry caught lying
     asked: int = 0
 
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
@@ -61,7 +63,7 @@ class Routes:
         await trio.lowlevel.checkpoint()
         self.asked += 1
         offers = [self.mesh.offer(h) for h in self.mesh.live_hops() if h.peer_id not in self.dead]
-        route = plan_route(model_id, offers, lambda _p: 1.0, exclude=exclude, keep=keep,
+        route = plan_route(model_id, offers, lambda _p: 1.0, exclude=exclude | frozenset(self.demoted), keep=keep,
                            avoid=avoid | frozenset(self.unreachable), compat_key=compat_key)
         return PlannedRoute(route, {h.peer_id: self.mesh.hops[h.peer_id].address for h in route.hops}, "test")
 
@@ -70,6 +72,9 @@ class Routes:
 
     def mark_unreachable(self, peer_id: str) -> None:
         self.unreachable.append(peer_id)
+
+    def demote(self, peer_id: str, why: str) -> None:
+        self.demoted[peer_id] = why
 
 
 class InProcessMesh:
@@ -91,12 +96,13 @@ class InProcessMesh:
         info = hop.info
         return ShardOffer(peer_id=hop.peer_id, model_id=info.model_id, compat_key=info.compat_key,
                           n_layers=info.n_layers, layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes,
-                          memory_budget_bytes=1 << 40, range=hop.layers,
+                          memory_budget_bytes=1 << 40, range=hop.claims or hop.layers,
                           active_sessions=hop.service.active_sessions)
 
     async def add_hop(self, name: str, layers: tuple[int, int], *, limits: AdmissionLimits | None = None,
-                      kv_budget: int | None = None, compat_key: str = "") -> Hop:
-        """A hop serving ``layers``; ``compat_key`` makes it claim another one (another numerics class)."""
+                      kv_budget: int | None = None, compat_key: str = "", claims: tuple[int, int] | None = None) -> Hop:
+        """A hop serving ``layers``; ``compat_key`` makes it claim another one (another numerics class),
+        ``claims`` another range than it serves."""
         info = replace(self.info, compat_key=compat_key) if compat_key else self.info
         host = ShardHost(self.model_dir, kv_budget_bytes=kv_budget, compute=InlineCompute())
         await host.load(*layers)
@@ -115,7 +121,7 @@ class InProcessMesh:
         scope = await self.nursery.start(_hop_scope)
         opener = self.network.join(name, address, serve, scope.nursery)
         service = HopService(name, opener, host, info, limits)
-        hop = Hop(name, address, layers, service, host, scope.cancel_scope, info)
+        hop = Hop(name, address, layers, service, host, scope.cancel_scope, info, claims=claims)
         hop_box.append(hop)
         await scope.nursery.start(service.run)
         original = host.forward

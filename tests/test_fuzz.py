@@ -8,22 +8,27 @@ when a signature would otherwise stop them at the door, then mutated. A short ru
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from meshd.admission import InviteRefused, Membership, MeshGate, invite_token, parse_token
+from meshd.admission.records import check_membership, sign_membership, sign_revocation
 from meshd.api.errors import ApiError
 from meshd.api.validation import decode_json_object, parse_chat, parse_completion
 from meshd.cards import CardRejected, sign_card, verify_card
 from meshd.election.lease import sign_lease
-from meshd.errors import BundleError
+from meshd.errors import BundleError, MeshError
 from meshd.gossip import GossipConfig, GossipNode
 from meshd.identity import Identity
 from meshd.rpc import RpcRouter
@@ -36,6 +41,7 @@ from meshd.transport.errors import FramingError
 from meshd.transport.framing import MessageDecoder, encode_message
 from meshd.transport.relay import RelayRejected, parse_message, read_registration
 from meshd.weights.source import BadManifest, manifest_from_message
+from meshd.wire import admission_pb2 as apb
 from meshd.wire import bundle as wire
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import hidden_state_pb2 as hpb
@@ -136,6 +142,85 @@ def test_gossip_takes_any_message_without_failing(batch):
         offers_of(card.card)
 
 
+MESH_KEY = Identity.from_seed(bytes([90]) * 32)
+
+
+def member_cards(identity: Identity) -> st.SearchStrategy[cpb.SignedCard]:
+    """Cards of anything, signed by a member of MESH_KEY's private mesh, credential included."""
+
+    def sign(card: cpb.CapabilityCard) -> cpb.SignedCard:
+        card.peer_id, card.public_key = identity.peer_id, identity.public_key
+        card.issued_at_ms, card.expires_at_ms = NOW_MS - 1000, NOW_MS + 60_000
+        card.membership.CopyFrom(sign_membership(MESH_KEY, identity.peer_id, NOW_MS))
+        return sign_card(card, identity)
+
+    return messages(cpb.CapabilityCard).map(sign)
+
+
+def private_gossip() -> st.SearchStrategy[cpb.GossipMessage]:
+    def build(msg: cpb.GossipMessage, cards: list[cpb.SignedCard], revoke: list[int]) -> cpb.GossipMessage:
+        msg.cards.extend(cards)
+        msg.push_pull.revocations.extend(sign_revocation(MESH_KEY, IDENTITIES[i].peer_id, NOW_MS) for i in revoke)
+        return msg
+
+    return st.builds(build, messages(cpb.GossipMessage), st.lists(st.one_of(member_cards(IDENTITIES[1]),
+                                                                          member_cards(IDENTITIES[2])), max_size=2),
+                     st.lists(st.sampled_from([1, 2]), max_size=1))
+
+
+@FUZZ
+@given(st.lists(st.one_of(private_gossip(), wire_bytes(cpb.GossipMessage).map(_parse_or_empty)), min_size=1,
+                max_size=4))
+def test_a_private_meshs_gossip_takes_any_message_and_never_holds_a_revoked_peer(batch):
+    node = GossipNode.with_identity(IDENTITIES[0], cpb.CapabilityCard(addresses=["127.0.0.1:1"]),
+                                    GossipConfig(), random.Random(1))
+    gate = MeshGate(MESH_KEY.public_key, IDENTITIES[0].peer_id)
+    node.admit_with(gate)
+    now = NOW_MS / 1000
+    for msg in batch:
+        node.on_message(IDENTITIES[1].peer_id, msg, now)
+        node.tick(now)
+        now += 0.3
+        for peer_id in node.live_cards():
+            assert peer_id == IDENTITIES[0].peer_id or (gate.admits(peer_id) and not gate.is_revoked(peer_id))
+
+
+FOUNDER = Membership.load(Path(tempfile.mkdtemp(prefix="meshd-fuzz-")), IDENTITIES[0], open_mesh=False, founding=True)
+INVITE = parse_token(FOUNDER.issue_invite(3600, 1000, ["127.0.0.1:7700"])[0])[0]
+
+
+@FUZZ
+@given(st.one_of(st.text(max_size=300), st.just(invite_token(INVITE)).map(lambda t: t[:-3] + "AAA"),
+                 mutated(st.just(invite_token(INVITE).encode())).map(lambda b: b.decode("ascii", "replace"))))
+def test_invite_tokens_parse_or_are_refused(text):
+    with contextlib.suppress(InviteRefused):
+        parse_token(text)
+
+
+@FUZZ
+@given(st.one_of(wire_bytes(apb.JoinRequest, depth=2),
+                 mutated(st.just(apb.JoinRequest(invite=INVITE).SerializeToString()))))
+def test_join_requests_get_a_membership_or_a_refusal(raw):
+    request = apb.JoinRequest()
+    try:
+        request.ParseFromString(raw)
+    except DecodeError:
+        return
+    try:
+        reply = FOUNDER.redeem(IDENTITIES[1].peer_id, request)
+    except MeshError:
+        return
+    assert request.invite == INVITE  # only the real invite, unchanged, admits
+    check_membership(reply.membership, FOUNDER.gate.mesh_key, IDENTITIES[1].peer_id)  # type: ignore[union-attr]
+
+
+@FUZZ
+@given(st.one_of(st.none(), st.text(max_size=200), st.binary(max_size=200).map(
+    lambda b: base64.b64encode(b).decode())))
+def test_membership_headers_admit_or_refuse(header):
+    assert MeshGate(MESH_KEY.public_key, "me").admit_stream(IDENTITIES[2].peer_id, header) is False
+
+
 @FUZZ
 @given(st.one_of(wire_bytes(hpb.HiddenStateBundle, depth=3), messages(hpb.HiddenStateBundle, depth=3).map(
     lambda m: _plausible_bundle(m).SerializeToString())))
@@ -191,7 +276,7 @@ def test_framing_round_trips_whatever_the_cut(payloads, cut):
 
 
 def relay_docs() -> st.SearchStrategy[str]:
-    keys = st.sampled_from(["type", "public_key", "nonce", "signature", "peer_id", "circuit"])
+    keys = st.sampled_from(["type", "public_key", "nonce", "signature", "peer_id", "circuit", "membership"])
     values = st.one_of(st.text(max_size=70), st.integers(), st.none(), st.sampled_from(["register", "00" * 32,
                                                                                           "zz" * 32, "00" * 64]))
     docs = st.dictionaries(keys, values, max_size=5).map(json.dumps)

@@ -275,3 +275,31 @@ def test_dead_claims_about_made_up_peers_are_bounded():
     assert len(node.members()) <= 50
     net.run_until(net.now + 5.0)
     assert net.converged()
+
+
+def test_a_peer_that_restarted_and_forgot_its_sequence_is_told_its_floor_and_comes_back():
+    from meshd.address import Address
+    from meshd.gossip import GossipConfig, GossipNode, MemberState, Send
+    from meshd.identity import Identity
+    from meshd.wire import card_pb2 as cpb
+
+    a_id, b_id = Identity.from_seed(b"\x01" * 32), Identity.from_seed(b"\x02" * 32)
+    template = cpb.CapabilityCard(addresses=["10.0.0.2:7700"])
+    a = GossipNode.with_identity(a_id, cpb.CapabilityCard(addresses=["10.0.0.1:7700"]), GossipConfig())
+    b = GossipNode.with_identity(b_id, template, GossipConfig())
+    now = 1_800_000_000.0
+    for _ in range(3):
+        b.republish(now)
+    a.on_message(b_id.peer_id, b._push_pull_request(), now)
+    assert b.issuer is not None
+    a.on_message(b_id.peer_id, cpb.GossipMessage(leave=cpb.Leave(from_peer=b_id.peer_id, sequence=b.issuer.sequence)),
+                 now)
+    assert a.members()[b_id.peer_id] == MemberState.LEFT
+    restarted = GossipNode.with_identity(b_id, template, GossipConfig())  # its sequence starts again
+    restarted.republish(now + 1)
+    actions = a.on_message(b_id.peer_id, restarted._push_pull_request(), now + 1)
+    told = [x for x in actions if isinstance(x, Send) and x.to == Address.coerce("10.0.0.2:7700")]
+    assert len(told) == 1 and told[0].message.updates[0].peer_id == b_id.peer_id
+    restarted.on_message(a_id.peer_id, told[0].message, now + 1)
+    a.on_message(b_id.peer_id, restarted._push_pull_request(), now + 1.5)
+    assert a.members()[b_id.peer_id] == MemberState.ALIVE and b_id.peer_id in a.live_cards()

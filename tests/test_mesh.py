@@ -26,7 +26,7 @@ from meshd.session.messages import SEAM_PATH
 from meshd.transport import PeerAuthError, Transport
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as rpb
-from tests.helpers import chat_reference
+from tests.helpers import chat_reference, join_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -147,16 +147,19 @@ async def test_forged_replayed_expired_and_mismatched_cards_are_rejected(mesh):
     me = peer_id_from_public_key(key.public_key)
     now = int(time.time() * 1000)
 
+    membership = None
+
     def card(sequence: int, expires: int, peer_id: str = me) -> cpb.SignedCard:
         c = cpb.CapabilityCard(peer_id=peer_id, public_key=key.public_key, sequence=sequence,
                                issued_at_ms=min(now, expires - 60_000), expires_at_ms=expires,
-                               addresses=["127.0.0.1:9"])
+                               addresses=["127.0.0.1:9"], membership=membership)
         return sign_card(c, key)
 
-    bad_signature = card(7, now + 60_000)
-    bad_signature.signature = bytes(64)
-    forged = [bad_signature, card(3, now - 1000), card(9, now + 60_000, peer_id=mesh.peers[1].peer_id)]
     async with Transport(key) as transport:
+        membership = await join_mesh(transport, target)  # a member may gossip: what it says is still checked
+        bad_signature = card(7, now + 60_000)
+        bad_signature.signature = bytes(64)
+        forged = [bad_signature, card(3, now - 1000), card(9, now + 60_000, peer_id=mesh.peers[1].peer_id)]
         for signed in forged:
             await gossip(transport, target, cpb.GossipMessage(cards=[signed]))
         after_forged = {r["peer_id"]: r["sequence"] for r in target.get("/peers")["peers"]}
@@ -192,6 +195,7 @@ async def test_malformed_and_oversized_seam_frames_reset_only_their_stream(mesh,
     worker = threading.Thread(target=long_generation)
     worker.start()
     async with Transport(Identity.generate()) as transport:
+        await join_mesh(transport, mesh.peers[0])  # a member: outsiders' seams are refused before any frame
         address = middle.listen
         garbage = await transport.open_stream(middle.peer_id, address, SEAM_PATH)
         await garbage.send_message(b"\xff\x00 definitely not a seam message")

@@ -14,6 +14,7 @@ from meshd_relay import RelayConfig, RelayServer, load_config
 from trio_websocket import ConnectionClosed, open_websocket
 
 from meshd.address import Address, relay_address
+from meshd.admission.records import sign_membership
 from meshd.identity import Identity
 from meshd.limits import TokenBucket
 from meshd.transport import Transport
@@ -64,8 +65,9 @@ class RelayedPeer:
         return self.transport.identity.peer_id
 
 
-async def relayed_peer(nursery: trio.Nursery, relay: RelayServer, **kwargs) -> RelayedPeer:
-    transport = Transport(Identity.generate())
+async def relayed_peer(nursery: trio.Nursery, relay: RelayServer, identity: Identity | None = None,
+                       **kwargs) -> RelayedPeer:
+    transport = Transport(identity or Identity.generate())
     await nursery.start(_hold, transport)
 
     async def on_circuit(stream, remote: str) -> None:
@@ -188,6 +190,25 @@ async def test_allow_list_and_relay_full(nursery):
     second = RelayRegistration(Identity.generate(), f"127.0.0.1:{relay2.port}", None, backoff_initial=5)
     nursery.start_soon(second.run)
     await wait_for(lambda: rejections(relay2, Reason.RELAY_FULL) >= 1, "relay_full")
+
+
+async def test_a_private_meshs_relay_registers_only_its_members(nursery):
+    mesh_key, outsider, member = Identity.generate(), Identity.generate(), Identity.generate()
+    relay = await start_relay(nursery, mesh_key=mesh_key.public_key.hex())
+    shows = {
+        "nothing": None,
+        "another mesh's credential": sign_membership(Identity.generate(), outsider.peer_id, 1).SerializeToString(),
+        "someone else's credential": sign_membership(mesh_key, member.peer_id, 1).SerializeToString(),
+    }
+    for count, (what, credential) in enumerate(shows.items(), start=1):
+        refused = RelayRegistration(outsider, f"127.0.0.1:{relay.port}", None, backoff_initial=5,
+                                    membership=(lambda c=credential: c or b""))
+        nursery.start_soon(refused.run)
+        await wait_for(lambda n=count: rejections(relay, Reason.NOT_MEMBER) >= n, what)
+        assert "not_member" in refused.last_error and not refused.registered
+    credential = sign_membership(mesh_key, member.peer_id, 1).SerializeToString()
+    target = await relayed_peer(nursery, relay, identity=member, membership=lambda: credential)
+    assert await round_trip(await dialer(nursery), target, relay) == b"ping"
 
 
 # -- circuits --------------------------------------------------------------------------------------

@@ -157,6 +157,20 @@ async def test_a_refusing_hop_is_routed_around(tiny_model, reference, autojump_c
         assert [e["kind"] for e in mesh.entry.metrics.events] == ["route failed"]
 
 
+async def test_a_peer_claiming_a_range_it_does_not_serve_is_caught_on_first_use_and_demoted(
+        tiny_model, reference, autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        liar = await mesh.add_hop("liar", (0, 2), claims=(0, 4))  # the cheapest route, if its card were true
+        await mesh.add_hop("half0", (0, 2))
+        await mesh.add_hop("half1", (2, 4))
+        assert await mesh.generate(PROMPT, N) == reference["greedy"]
+        assert list(mesh.routes.demoted) == ["liar"] and "holding [0, 2)" in mesh.routes.demoted["liar"]
+        assert mesh.entry.metrics.value("meshd_repairs_total", cause="range_mismatch") == 1
+        assert await mesh.generate(PROMPT, N, session_id="s2") == reference["greedy"]
+        assert mesh.entry.metrics.value("meshd_repairs_total", cause="range_mismatch") == 1  # not tried again
+        assert liar.service.stats.sessions_served == 0
+
+
 async def test_refusal_everywhere_is_overloaded_not_a_hang(tiny_model, autojump_clock):
     async with in_process_mesh(tiny_model) as mesh:
         await mesh.add_hop("small", (0, 4), kv_budget=2048)

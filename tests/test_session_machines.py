@@ -18,7 +18,7 @@ from meshd.session.hop_state import (
     SendDownstream,
     SendToken,
 )
-from meshd.session.repair import AllRefused, NoCompleteRoute, RepairConfig, RepairFailed, RepairPolicy
+from meshd.session.repair import REFUSALS, AllRefused, NoCompleteRoute, RepairConfig, RepairFailed, RepairPolicy
 from meshd.tracker.view import Hop, Route
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
@@ -140,6 +140,37 @@ def test_admission_refuses_with_the_code_the_entry_routes_by():
     with pytest.raises(Refused) as leaving:
         roomy.admit(session_open(), HOLDING, queued=0)
     assert leaving.value.code == ErrorCode.LEAVING
+
+
+def test_each_upstream_peer_opens_sessions_at_a_bounded_rate():
+    book = HopBook("b", AdmissionLimits(max_sessions=3, opens_per_s=2.0))
+    for n in range(3):  # a burst of max_sessions
+        book.admit(session_open(session_id=f"s{n}", max_tokens=1), HOLDING, queued=0, opener="flooder", now=0.0)
+    for n in range(3):
+        book.finish((f"s{n}", 0), failed=False, kv_held=False, now=0.0)
+    with pytest.raises(Refused) as flooded:
+        book.admit(session_open(session_id="s3", max_tokens=1), HOLDING, queued=0, opener="flooder", now=0.1)
+    assert flooded.value.code == ErrorCode.RATE_LIMITED and flooded.value.code in REFUSALS
+    book.admit(session_open(session_id="s4", max_tokens=1), HOLDING, queued=0, opener="someone else", now=0.1)
+    book.admit(session_open(session_id="s5", max_tokens=1), HOLDING, queued=0, opener="flooder", now=0.6)
+
+
+def test_no_upstream_peer_crowds_the_others_out_of_a_nearly_full_hop():
+    book = HopBook("b", AdmissionLimits(max_sessions=8, opens_per_s=0))
+    alone = HopBook("b", AdmissionLimits(max_sessions=8, opens_per_s=0))
+    for n in range(8):  # alone, a peer may take the whole hop
+        alone.admit(session_open(session_id=f"g{n}", max_tokens=1), HOLDING, queued=0, opener="greedy")
+    book.admit(session_open(session_id="o", max_tokens=1), HOLDING, queued=0, opener="other")
+    book.finish(("o", 0), failed=False, kv_held=False, now=0.0)  # another peer uses the hop too
+    for n in range(7):
+        book.admit(session_open(session_id=f"g{n}", max_tokens=1), HOLDING, queued=0, opener="greedy")
+    with pytest.raises(Refused) as crowded:  # 1 of 8 left, and it holds more than half already
+        book.admit(session_open(session_id="g7", max_tokens=1), HOLDING, queued=0, opener="greedy")
+    assert crowded.value.code == ErrorCode.OVERLOADED and "its share" in str(crowded.value)
+    book.admit(session_open(session_id="o0", max_tokens=1), HOLDING, queued=0, opener="other")
+    book.finish(("g0", 0), failed=False, kv_held=False, now=0.0)
+    book.finish(("g1", 0), failed=False, kv_held=False, now=0.0)  # 2 of 8 free: room again
+    book.admit(session_open(session_id="g8", max_tokens=1), HOLDING, queued=0, opener="greedy")
 
 
 def test_an_open_for_another_range_or_model_is_refused():

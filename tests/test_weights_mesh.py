@@ -32,11 +32,19 @@ def test_a_peer_without_files_fetches_only_its_range_and_serves_it(bench_model, 
     gap = (6, 10)
     needed = sum(info.manifest.tensors[n].nbytes
                  for n in range_tensors(adapter_for(config), config, info.manifest.tensors, *gap))
+    # one numerics class for every holder: each would measure its own, and under load they may differ
+    same = ["--numerics", "cpu/float32/prefill-native/decode-native-rows1"]
     with LocalMesh(tmp_path, env={"PYTHONPATH": str(REPO)}) as mesh:
-        head = mesh.start_peer(model=bench_model, layers=(0, gap[0]))
-        tail = mesh.start_peer(model=bench_model, layers=(gap[1], sizes.n_layers))
+        head = mesh.start_peer(model=bench_model, layers=(0, gap[0]), extra=same)
+        tail = mesh.start_peer(model=bench_model, layers=(gap[1], sizes.n_layers), extra=same)
         # holds the whole model too, but hands out every chunk with one byte flipped; too small to be placed
-        liar = mesh.start_peer(model=bench_model, memory_budget=sizes.layer_bytes // 2, module="tests.lying_source")
+        liar = mesh.start_peer(model=bench_model, memory_budget=sizes.layer_bytes // 2, module="tests.lying_source",
+                               extra=same)
+        # the joiner takes its sources from the cards it holds when its range is placed: let the head, which
+        # the joiner first exchanges cards with, know the liar by then
+        mesh.wait_until(lambda: liar.peer_id in {p["peer_id"] for p in head.get("/peers")["peers"]}, 60,
+                        "the head to know the liar")
+        assert liar.status["compat_key"] == head.status["compat_key"] == info.compat_key
         joiner = mesh.start_peer(memory_budget=(gap[1] - gap[0]) * sizes.layer_bytes + sizes.layer_bytes // 2,
                                  extra=["--model-id", "bench"])
         mesh.wait_covered("bench", timeout=240)

@@ -1,14 +1,16 @@
 """Capability cards: sign, verify, and keep the latest verified card of every peer.
 
 A card is accepted only when its bytes parse, its public key derives its peer id, its signature
-covers exactly those bytes, it has not expired, and its sequence is newer than any card already
-held for that peer. Anything else raises :class:`CardRejected` and changes nothing, so a forged,
-replayed or stale card can never displace what a peer last said about itself.
+covers exactly those bytes, it has not expired, its sequence is newer than any card already held
+for that peer, and (in a private mesh) it carries the peer's valid membership. Anything else
+raises :class:`CardRejected` and changes nothing, so a forged, replayed or stale card can never
+displace what a peer last said about itself.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -27,6 +29,8 @@ class RejectReason(enum.StrEnum):
     REPLAYED = "replayed"
     MALFORMED = "malformed"
     FULL = "store_full"
+    NOT_MEMBER = "not_member"
+    REVOKED = "revoked"
 
 
 class CardRejected(MeshError):
@@ -108,6 +112,9 @@ class CardStore:
     """
 
     capacity: int = STORE_CAPACITY  # peers' cards held at most: new identities cost nothing to make
+    owner: str = ""  # the peer whose store this is: its own card is always held (beyond the capacity, unchecked)
+    # a private mesh's admission check: raises CardRejected for a card of a peer that does not belong
+    admit: Callable[[pb.CapabilityCard], None] | None = None
     _cards: dict[str, Card] = field(default_factory=dict)
     _floor: dict[str, int] = field(default_factory=dict)
     _next_expiry_ms: int | None = None  # no card expires before this (it may be earlier than the truth)
@@ -123,10 +130,12 @@ class CardStore:
         held = self._cards.get(peer_id) if peer_id else None
         if held is not None and held.signed.card == signed.card and held.signed.signature == signed.signature:
             return False
-        if held is None and len(self._cards) >= self.capacity:
+        if held is None and len(self._cards) >= self.capacity and peer_id != self.owner:
             raise CardRejected(RejectReason.FULL, f"{self.capacity} cards held already")
         known = self.known_sequence(peer_id) if peer_id else None
         card = verify_card(signed, now_ms, known)
+        if self.admit is not None and card.peer_id != self.owner:
+            self.admit(card.card)
         self._cards[card.peer_id] = card
         if self._next_expiry_ms is None or card.expires_at_ms < self._next_expiry_ms:
             self._next_expiry_ms = card.expires_at_ms

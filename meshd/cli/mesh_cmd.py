@@ -22,10 +22,13 @@ class ControlError(Exception):
     pass
 
 
-def control_get(args: argparse.Namespace, path: str) -> dict:
+def control_get(args: argparse.Namespace, path: str, body: dict | None = None) -> dict:
+    """GET ``path`` from the daemon's control API, or POST ``body`` as JSON to it."""
     url = f"http://{args.control}{path}"
+    request = urllib.request.Request(url) if body is None else urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -73,6 +76,21 @@ def _reach(peer: dict) -> str:
     return "direct" if peer.get("addresses") else "-"
 
 
+def _audit(audit: dict | None) -> str:
+    """``-``, or what this peer's audits found: ``passed 3``, ``EXCLUDED (2 failed)``, ``accused by 1``."""
+    if not audit:
+        return "-"
+    state = audit["state"]
+    if state == "excluded":
+        return f"EXCLUDED ({audit['guilty']} failed)"
+    if state == "suspect":
+        return f"suspect ({audit['guilty']} failed)"
+    if state == "accused":
+        return f"accused by {len(audit['accused_by'])}" + (
+            f", not borne out {audit['unconfirmed_accusations']}" if audit["unconfirmed_accusations"] else "")
+    return f"{state} {audit['passed']}" if state == "passed" else state
+
+
 def _cmd_peers(args: argparse.Namespace) -> int:
     peers = control_get(args, "/peers")["peers"]
     if args.json:
@@ -86,10 +104,10 @@ def _cmd_peers(args: argparse.Namespace) -> int:
             ",".join(p.get("addresses") or []) or "-", _reach(p), "tracker" if p.get("tracker") else "peer",
             p.get("state", "-"), models, f"{p.get('active_sessions', 0)}/{p.get('queued', 0)}",
             "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
-            _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
+            _age(p.get("last_seen_s")), _age(p.get("card_age_s")), _audit(p.get("audit")),
         ])
     print_table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
-                        "LAST SEEN", "CARD AGE"])
+                        "LAST SEEN", "CARD AGE", "AUDIT"])
     return 0
 
 
@@ -179,6 +197,39 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"30m"``, ``"1h"``, ``"7d"`` or plain seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 1h, 7d)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("a duration is more than zero")
+    return seconds
+
+
+def _cmd_invite(args: argparse.Namespace) -> int:
+    made = control_get(args, "/invite", {"expires_s": args.expires, "uses": args.uses})
+    if args.json:
+        return _print_json(made)
+    expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(made["expires_at_ms"] / 1000))
+    print(made["token"])
+    print(f"mesh {made['mesh']}: admits {made['uses']} peer{'s' if made['uses'] > 1 else ''} until {expires}; "
+          "join with `meshd join TOKEN` (or --invite TOKEN)", file=sys.stderr)
+    return 0
+
+
+def _cmd_revoke(args: argparse.Namespace) -> int:
+    done = control_get(args, "/revoke", {"peer_id": args.peer, "reason": args.reason})
+    if args.json:
+        return _print_json(done)
+    print(f"revoked {done['revoked']} from mesh {done['mesh']}; the revocation spreads by gossip")
+    return 0
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
@@ -231,6 +282,27 @@ def add_mesh_parsers(sub: argparse._SubParsersAction) -> None:
                            "follows one request's records (on every peer of its route, ask each).")
     logs.add_argument("-n", "--lines", type=int, default=100, help="how many records (default 100)")
     logs.add_argument("--session", metavar="ID", help="only records of this session (request) id")
+
+    invite = sub.add_parser(
+        "invite", help="make an invite token for a peer to join this private mesh",
+        description="Ask the local daemon (it must hold the mesh's admission key: the peer that founded the "
+        "mesh) for a signed invite. The token names this peer's address; a peer joins with `meshd join TOKEN` "
+        "and receives a membership bound to its own identity. Print the token on stdout.")
+    invite.add_argument("--expires", type=parse_duration, default=3600.0, metavar="DURATION",
+                        help="how long the invite can be redeemed: 90s, 30m, 1h (default), 7d")
+    invite.add_argument("--uses", type=int, default=1, help="how many peers may join with it (default 1)")
+    invite.add_argument("--json", action="store_true", help="print the token and its terms as JSON")
+    _add_control(invite)
+    invite.set_defaults(func=_cmd_invite)
+    revoke = sub.add_parser(
+        "revoke", help="expel a member from this private mesh",
+        description="Sign a revocation of PEER with the mesh's admission key (the local daemon must hold it) and "
+        "spread it by gossip: every member drops the peer and refuses its requests, cards and seams from then on.")
+    revoke.add_argument("peer", help="the peer id, or enough of its start to name one known peer")
+    revoke.add_argument("--reason", default="", help="said in every member's log")
+    revoke.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_control(revoke)
+    revoke.set_defaults(func=_cmd_revoke)
 
     chat = sub.add_parser("chat", help="send one chat message through the local daemon's OpenAI API")
     chat.add_argument("message", help="what to say")

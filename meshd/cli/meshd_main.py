@@ -43,8 +43,36 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a peer until SIGINT/SIGTERM",
         description="Run one peer. Settings come from --config (TOML), then MESHD_* environment variables, "
-        "then these flags. Without --layers the elected tracker tells the peer which layers to load.",
+        "then these flags. Without --layers the elected tracker tells the peer which layers to load. A peer "
+        "with neither --bootstrap nor --invite founds a private mesh; `meshctl invite` on it lets others join.",
     )
+    _add_run_arguments(run)
+    run.set_defaults(func=_cmd_run)
+
+    join = sub.add_parser(
+        "join", help="join a private mesh with an invite token, then run like `meshd run`",
+        description="Redeem TOKEN (made by `meshctl invite` on a member) with the peer that issued it, keep the "
+        "membership in the data directory, and run the peer. The same as `meshd run --invite TOKEN`; later "
+        "starts need no token.")
+    join.add_argument("token", help="the invite token")
+    _add_run_arguments(join)
+    join.set_defaults(func=_cmd_run)
+
+    init = sub.add_parser(
+        "init", help="create this peer's identity and a settings file listing every setting",
+        description="Create the identity key in the data directory (kept if it exists) and write a TOML "
+        "settings file with every setting, its meaning and its default, commented out; then start the peer "
+        "with `meshd run --config FILE`. docs/configuration.md lists the same settings.")
+    init.add_argument("--config", type=Path, default=Path("meshd.toml"), metavar="FILE",
+                      help="settings file to write (default ./meshd.toml)")
+    init.add_argument("--data-dir", type=Path, default=Path("meshd-data"), metavar="DIR",
+                      help="identity and state (default ./meshd-data); written into the settings file")
+    init.add_argument("--force", action="store_true", help="replace an existing settings file")
+    init.set_defaults(func=_cmd_init)
+    return parser
+
+
+def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--config", type=Path, metavar="FILE", help="TOML file with any of the settings below")
     run.add_argument("--data-dir", metavar="DIR", help="identity key and state (default ./meshd-data)")
     run.add_argument("--name", help="a label for this peer in meshctl peers")
@@ -56,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Prometheus /metrics listener (default 127.0.0.1:7702; '' turns it off)")
     run.add_argument("--bootstrap", action="append", metavar="HOST:PORT",
                      help="a peer to join through (repeatable)")
+    run.add_argument("--invite", metavar="TOKEN",
+                     help="join a private mesh with this invite token (from `meshctl invite`); redeemed once, the "
+                     "membership is kept in the data directory")
+    run.add_argument("--open-mesh", dest="open_mesh", action="store_true", default=None,
+                     help="take part in an open mesh: admit any peer that can reach this one (default: private)")
     run.add_argument("--relay", dest="relays", action="append", metavar="HOST:PORT",
                      help="a meshd-relay to register with when not directly dialable (repeatable)")
     run.add_argument("--reachability", choices=["auto", "direct", "relayed"],
@@ -76,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                      help="dtype of weights, activations and the seam (default auto: the checkpoint's own); "
                      "how linears compute in it is measured at start and shown by meshctl status")
+    run.add_argument("--numerics", metavar="CLASS",
+                     help="pin the numerics class (as meshctl status shows it) instead of measuring the fastest here; "
+                     "give every peer of a model the same one to keep them in one class")
     run.add_argument("--device", metavar="DEVICE",
                      help="auto (default: cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
     run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
@@ -86,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compression", choices=["auto", "off", "always"],
                      help="zstd for large prefill bundles: auto: per link, where measured to save time "
                      "(default); off: never; always: every bundle of 64 KiB or more")
+    run.add_argument("--audit-rate", type=float, metavar="SHARE",
+                     help="share of the requests this peer is the entry of that are followed by an audit of one hop "
+                     "(default 0.02; 0: none): a short greedy replay of a synthetic prompt on three routes differing "
+                     "in that hop")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
     run.add_argument("--log-level", choices=LOG_LEVELS,
@@ -95,20 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
                      "route ids, for log collectors")
     run.add_argument("--ready-file", metavar="FILE",
                      help="write this peer's status as JSON here once it listens (for scripts and tests)")
-    run.set_defaults(func=_cmd_run)
-
-    init = sub.add_parser(
-        "init", help="create this peer's identity and a settings file listing every setting",
-        description="Create the identity key in the data directory (kept if it exists) and write a TOML "
-        "settings file with every setting, its meaning and its default, commented out; then start the peer "
-        "with `meshd run --config FILE`. docs/configuration.md lists the same settings.")
-    init.add_argument("--config", type=Path, default=Path("meshd.toml"), metavar="FILE",
-                      help="settings file to write (default ./meshd.toml)")
-    init.add_argument("--data-dir", type=Path, default=Path("meshd-data"), metavar="DIR",
-                      help="identity and state (default ./meshd-data); written into the settings file")
-    init.add_argument("--force", action="store_true", help="replace an existing settings file")
-    init.set_defaults(func=_cmd_init)
-    return parser
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -131,8 +157,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
         print(f"meshd: {exc}", file=sys.stderr)
         return 1
     print(f"peer id {identity.peer_id}; identity in {data_dir}; settings in {config}")
-    print(f"next: edit {config} (at least `model`, and `bootstrap` to join a mesh), then "
-          f"`meshd run --config {config}`")
+    print(f"next: edit {config} (at least `model`; to join a mesh, `invite` with a token from `meshctl invite` "
+          f"on a member), then `meshd run --config {config}`")
     return 0
 
 
@@ -161,6 +187,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "log_level": args.log_level, "log_format": args.log_format, "ready_file": args.ready_file,
         "torch_threads": args.torch_threads,
         "compression": args.compression, "dtype": args.dtype, "device": args.device, "backend": args.backend,
+        "audit_rate": args.audit_rate, "numerics": args.numerics,
+        "invite": getattr(args, "token", None) or args.invite, "open_mesh": args.open_mesh,
     }
     try:
         config = load_config(args.config, overrides)

@@ -23,7 +23,7 @@ from meshd.session.entry import DeadlinePassed, EntrySessions, Generation
 from meshd.session.repair import AllRefused, NoCompleteRoute, RepairFailed
 from meshd.session.routes import RouteClient
 from meshd.tracker.routing import NoRouteError
-from meshd.tracker.view import MeshView
+from meshd.tracker.view import MeshView, Route
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.api")
@@ -35,12 +35,13 @@ class MeshBackend:
     """A :class:`~meshd.api.backend.ChatBackend` that answers from the whole mesh."""
 
     def __init__(self, view: MeshView, routes: RouteClient, entry: EntrySessions, files: ModelFilesCache,
-                 leaving: Callable[[], bool]) -> None:
+                 leaving: Callable[[], bool], after_request: Callable[[Route], None] | None = None) -> None:
         self.view = view
         self.routes = routes
         self.entry = entry
         self.files = files
         self.leaving = leaving
+        self.after_request = after_request  # told the route of every request answered in full (audits sample it)
 
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(id=model_id) for model_id in self.view.covered_models()]
@@ -118,6 +119,8 @@ class MeshBackend:
             raise DeadlineExceeded(self.entry.config.request_timeout_s) from None
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
+        if self.after_request is not None:
+            self.after_request(first.route)
         text, calls = reply.finish()
         if calls:
             chosen = calls if req.parallel_tool_calls else calls[:1]

@@ -42,6 +42,11 @@ class PeerConfig:
     control: str = setting("127.0.0.1:7701", "meshctl's control API listener; keep it on loopback")
     metrics: str = setting("127.0.0.1:7702", "Prometheus /metrics listener (loopback unless told); \"\" turns it off")
     bootstrap: list[str] = setting_list("peers to join through (HOST:PORT each)")
+    invite: str = setting("", "an invite token (from `meshctl invite` on a member) to join a private mesh with; "
+                          "redeemed once, the membership is kept in the data directory")
+    open_mesh: bool = setting(False, "take part in an open mesh: admit any peer that can reach this one, and show "
+                              "no membership (default: a private mesh; a peer with neither bootstrap nor invite "
+                              "founds one)")
     model: Path | None = setting(None, "the model this peer can serve: a Hugging Face directory or a GGUF file")
     model_id: str = setting("", "the model's name in the API (default: the directory's name, or the GGUF file's); "
                             "without model: serve this model by fetching the layers placed here from peers that "
@@ -52,6 +57,9 @@ class PeerConfig:
                                              "letting the tracker place one")
     dtype: str = setting("auto", "dtype of weights, activations and the seam: auto (the checkpoint's), float32, "
                          "bfloat16 or float16")
+    numerics: str = setting("", "pin the numerics class (as meshctl status shows it, e.g. "
+                            "cpu/float32/prefill-native/decode-native-rows1) instead of measuring the fastest here: "
+                            "peers in different classes never share a route, and measurements vary from peer to peer")
     device: str = setting("auto", "auto (cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
     memory_budget: int = setting(8 * 1024**3, "bytes of weights this peer may load (e.g. \"6GiB\")")
     kv_budget: int = setting(1024**3, "bytes of KV state across sessions (e.g. \"1GiB\")")
@@ -72,8 +80,14 @@ class PeerConfig:
     repair_budget_s: float = setting(60.0, "seconds spent repairing one generation before giving up")
     max_sessions: int = setting(64, "sessions this peer's shard admits at once")
     max_queue: int = setting(32, "steps waiting for compute before new sessions are refused")
+    session_opens_per_s: float = setting(50.0, "sessions one peer may open on this one per second, in bursts of "
+                                         "max_sessions (0: no limit)")
     batch_hold: float = setting(1.0, "hold a decode batch for sessions due within this many one-session steps "
                                 "(0: never)")
+    audit_rate: float = setting(0.02, "share of the requests this peer is the entry of after which a hop of the "
+                                "route is audited: a short greedy replay of a synthetic prompt on three routes that "
+                                "differ in that hop (0: never; accusations heard are checked all the same)")
+    audit_tokens: int = setting(8, "tokens each audit replay generates")
     drain_timeout_s: float = setting(30.0, "on SIGTERM: seconds running sessions may take to finish")
     relays: list[str] = setting_list("meshd-relays (HOST:PORT each) to register with when not directly dialable")
     reachability: str = setting("auto", "auto (let other peers test whether we can be dialled), direct (always "
@@ -85,10 +99,12 @@ class PeerConfig:
     ready_file: Path | None = setting(None, "write this peer's status as JSON here once it listens (for scripts)")
 
     def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts"):
+        if not 0 <= self.audit_rate <= 1:
+            raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
+        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold"):
+        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold", "session_opens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} cannot be negative ({getattr(self, name)})")
         for f in fields(self):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
+from meshd.admission import NotAdmitter
 from meshd.daemon.status import models_table, peer_status, peers_table, sessions_table
 from meshd.stats import percentiles
 from meshd.tracker.routing import NoRouteError
@@ -80,7 +82,42 @@ def build_control_app(peer: Peer) -> Starlette:
                 peer.served.host.batcher.stats.reset()
         return JSONResponse(summary)
 
+    async def body_of(request: Request) -> dict:
+        try:
+            doc = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise ValueError("the body is not JSON") from None
+        if not isinstance(doc, dict):
+            raise ValueError("the body is a JSON object")
+        return doc
+
+    async def invite(request: Request) -> JSONResponse:
+        try:
+            doc = await body_of(request)
+            expires_s, uses = float(doc.get("expires_s", 3600)), int(doc.get("uses", 1))
+            token, expires_at_ms = peer.membership.issue_invite(expires_s, uses, peer.invite_addresses())
+        except NotAdmitter as exc:
+            return JSONResponse({"error": str(exc)}, status_code=403)
+        except (TypeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"token": token, "mesh": peer.membership.mesh, "expires_at_ms": expires_at_ms,
+                             "uses": uses})
+
+    async def revoke(request: Request) -> JSONResponse:
+        try:
+            doc = await body_of(request)
+            target = peer.known_peer(str(doc.get("peer_id", "")))
+            signed = peer.membership.revoke(target, str(doc.get("reason", "")))
+        except NotAdmitter as exc:
+            return JSONResponse({"error": str(exc)}, status_code=403)
+        except (TypeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        peer.control.revoke(signed)
+        return JSONResponse({"revoked": target, "mesh": peer.membership.mesh})
+
     return Starlette(routes=[
+        Route("/invite", invite, methods=["POST"]),
+        Route("/revoke", revoke, methods=["POST"]),
         Route("/stats", stats),
         Route("/status", status),
         Route("/peers", peers),

@@ -21,7 +21,7 @@ from meshd.daemon.config import PeerConfig
 from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged
 from meshd.election.election import Action as ElectionAction
 from meshd.errors import ErrorCode, MeshError
-from meshd.gossip import GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip import AccusationHeard, GossipConfig, GossipNode, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.gossip.events import Action as GossipAction
 from meshd.identity import Identity
 from meshd.metrics import PeerMetrics
@@ -29,6 +29,8 @@ from meshd.rpc import RpcFailed, call
 from meshd.tracker.duties import Order, TrackerDuties
 from meshd.tracker.view import MeshView
 from meshd.transport.streams import StreamOpener
+from meshd.wire import admission_pb2 as apb
+from meshd.wire import audit_pb2 as aupb
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as pb
 
@@ -74,7 +76,7 @@ class JoinGate:
         return now - self.started_at > 2 * self.config.lease_duration_s
 
 
-Outward = Send | TrackerChanged | MemberChanged  # what the core leaves to whoever runs it
+Outward = Send | TrackerChanged | MemberChanged | AccusationHeard  # what the core leaves to whoever runs it
 
 
 @dataclass
@@ -131,6 +133,7 @@ class ControlPlane:
         self.started_at = time.time()
         self.core = ControlCore(self.gossip, self.election, JoinGate(config, self.started_at))
         self._nursery: trio.Nursery | None = None
+        self.on_accusation: Callable[[aupb.SignedAccusation], None] | None = None  # the audits' to judge
 
     @property
     def peer_id(self) -> str:
@@ -143,6 +146,10 @@ class ControlPlane:
         """Longest a mesh goes without a tracker after the tracker dies (see meshd.election)."""
         delivery = 2 * max(self.config.probe_interval_s, self.config.pushpull_interval_s)
         return round(self.election.config.takeover_bound(TICK_S, delivery), 3)
+
+    def revoke(self, signed: apb.SignedRevocation) -> None:
+        """Spread a revocation this peer signed; the revoked peer is dropped here at once."""
+        self.perform(self.core.settle(self.gossip.revoke(signed, time.time()), time.time()))
 
     def republish_card(self) -> None:
         assert self.gossip.issuer is not None
@@ -188,6 +195,8 @@ class ControlPlane:
                 log.info("tracker is now %s (term %d)", str(action.new)[:12], action.term)
             elif isinstance(action, MemberChanged):
                 log.info("peer %s: %s -> %s", action.peer_id[:12], action.old and action.old.name, action.new.name)
+            elif isinstance(action, AccusationHeard) and self.on_accusation is not None:
+                self.on_accusation(action.signed)
 
     async def _deliver(self, send: Send) -> None:
         peer_id: str | None

@@ -1,7 +1,9 @@
 """Start several meshd daemons on loopback, each its own process: for the demo, benchmarks and tests.
 
 Every peer listens on ports the kernel picks (port 0) and writes a ready file with its status, so
-nothing here guesses at free ports. Peers join through the first one. ``stop`` sends SIGTERM to
+nothing here guesses at free ports. The first peer founds a private mesh and every later one joins
+with an invite made by it (``open_mesh``: an open mesh, joined through the first live peer
+instead). ``stop`` sends SIGTERM to
 every process this object started and waits; anything still running after the grace period gets
 SIGKILL. Only processes started here are ever signalled.
 """
@@ -79,6 +81,17 @@ class LocalPeer:
         with urllib.request.urlopen(f"http://{self.control}{path}", timeout=timeout) as resp:
             return json.loads(resp.read())
 
+    def post(self, path: str, body: dict, timeout: float = 10.0) -> dict:
+        request = urllib.request.Request(f"http://{self.control}{path}", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def invite(self, uses: int = 1, expires_s: float = 3600.0) -> str:
+        """A fresh invite token from this peer (it must hold the mesh's admission key)."""
+        token: str = self.post("/invite", {"uses": uses, "expires_s": expires_s})["token"]
+        return token
+
     def log_tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)
 
@@ -121,8 +134,10 @@ def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
 
 
 class LocalMesh:
-    def __init__(self, workdir: Path, *, log_level: str = "info", env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, *, log_level: str = "info", env: dict[str, str] | None = None,
+                 open_mesh: bool = False) -> None:
         self.workdir = Path(workdir)
+        self.open_mesh = open_mesh
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_level = log_level
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
@@ -138,10 +153,11 @@ class LocalMesh:
     def start_peer(self, *, model: Path | None = None, memory_budget: int | None = None,
                    layers: tuple[int, int] | None = None, extra: list[str] | None = None,
                    bootstrap: bool = True, timeout: float = 60.0, wait: bool = True,
-                   module: str = "meshd.cli.meshd_main") -> LocalPeer:
-        """``module``: what ``python -m`` runs with ``meshd run``'s arguments (a test's own wrapper)."""
+                   module: str = "meshd.cli.meshd_main", data_dir: Path | None = None) -> LocalPeer:
+        """``module``: what ``python -m`` runs with ``meshd run``'s arguments (a test's own wrapper);
+        ``data_dir``: an earlier peer's, to restart it (its identity and membership are kept there)."""
         index = len(self.peers)
-        data_dir = self.workdir / f"peer{index}"
+        data_dir = data_dir or self.workdir / f"peer{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
         ready = data_dir / "ready.json"
         ready.unlink(missing_ok=True)
@@ -155,10 +171,16 @@ class LocalMesh:
             args += ["--memory-budget", str(memory_budget)]
         if layers is not None:
             args += ["--layers", f"{layers[0]}:{layers[1]}"]
-        if bootstrap and self.peers:
-            live = [p for p in self.peers if p.process.poll() is None]
-            if live:
-                args += ["--bootstrap", live[0].listen]
+        if self.open_mesh:
+            args += ["--open-mesh"]
+        live = self.live() if bootstrap else []
+        if live and self.open_mesh:
+            args += ["--bootstrap", live[0].listen]
+        elif live:
+            admitters = [p for p in live if p.status.get("admission", {}).get("admits")]
+            if not admitters:
+                raise LocalMeshError("no live peer holds the mesh's admission key, so no invite can be made")
+            args += ["--invite", admitters[0].invite()]
         args += extra or []
         log_path = data_dir / "meshd.log"
         with log_path.open("ab") as log:

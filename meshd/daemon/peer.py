@@ -10,6 +10,7 @@ runs the generations this peer's API receives; reachability keeps relays and dia
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -23,7 +24,11 @@ import trio
 
 from meshd import __version__
 from meshd.address import Address
+from meshd.admission import Membership
+from meshd.admission.gate import MEMBERSHIP_HEADER
 from meshd.api.openai_server import build_app, serve_asgi, start_listener
+from meshd.audit.auditor import Auditor
+from meshd.audit.book import AuditBook
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
@@ -37,7 +42,9 @@ from meshd.logs import RecentRecords
 from meshd.metrics import Levels, PeerMetrics, metrics_app
 from meshd.models.artifacts import ModelFilesCache
 from meshd.models.gguf_model import model_directory
+from meshd.models.text import TextCodec
 from meshd.rpc import RPC_PATH, RpcRouter
+from meshd.rpc.router import MAX_OUTSIDER_REQUEST_BYTES, MAX_REQUEST_BYTES
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
@@ -51,6 +58,7 @@ from meshd.session.routes import RouteClient
 from meshd.transport import MessageStream, StreamHandler, Transport
 from meshd.weights.join import ModelJoin
 from meshd.weights.source import WeightsSource
+from meshd.wire import admission_pb2 as apb
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as rpb
 
@@ -80,6 +88,11 @@ class Peer:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(config.data_dir)
         self.peer_id = self.identity.peer_id
+        self.membership = Membership.load(config.data_dir, self.identity, open_mesh=config.open_mesh,
+                                          invite=config.invite, founding=not config.bootstrap)
+        for address in self.membership.addresses:  # where the invite's issuer listens: join through it
+            if address not in config.bootstrap:
+                config.bootstrap.append(address)
         self.bound = BoundAddresses(listen=config.listen, advertise=config.advertised, api=config.api,
                                     control=config.control, metrics=config.metrics)
         self.metrics = PeerMetrics()
@@ -94,16 +107,23 @@ class Peer:
                 self.model_error = str(exc)
                 log.error("the model at %s is not offered: %s", config.model, exc)
         self.reachability = Reachability(config, self.transport, self.identity, advertised=lambda: self.bound.advertise,
-                                         on_change=self._republish)
+                                         on_change=self._republish, membership=self._membership_bytes)
         self.hops = HopService(self.peer_id, self.transport, self.served.host if self.served else None,
                                self.served.info if self.served else None,
-                               AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue),
+                               AdmissionLimits(max_sessions=config.max_sessions, max_queue=config.max_queue,
+                                               opens_per_s=config.session_opens_per_s),
                                compression=config.compression, stream_window=self.transport.config.stream_window,
                                metrics=self.metrics)
         self.control = ControlPlane(self.identity, config, self.transport, card=self._card,
                                     directly_reachable=lambda: bool(self.reachability.direct_addresses()),
                                     metrics=self.metrics)
-        self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties)
+        if self.membership.gate is not None:
+            self.control.gossip.admit_with(self.membership.gate)
+        self.audits = AuditBook(self.peer_id)
+        self.control.gossip.accusations = self.audits.accusations
+        self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties,
+                                  excluded=self.audits.excluded)
+        self.auditor: Auditor | None = None  # once running: it needs the sessions nursery
         self.files = ModelFilesCache(config.data_dir, self.served.info if self.served else None, self.transport)
         self.weights = WeightsSource()
         if self.served is not None:
@@ -112,7 +132,8 @@ class Peer:
         self.joining = (ModelJoin(config.model_id, self.control.view, self.files, self.transport,
                                   resolve_device(config.device))
                         if config.model is None and config.model_id else None)
-        self.rpc = RpcRouter()
+        self.rpc = RpcRouter(admit=self._admit_request, on_refused=self._count_refusal)
+        self.rpc.register("join", self._on_join)
         self.rpc.register("gossip", self.control.on_gossip)
         self.rpc.register("route", self.control.on_route)
         self.rpc.register("placement", self._on_placement)
@@ -136,7 +157,7 @@ class Peer:
         model_dir, model_id = model_directory(config.model, config.data_dir / "cache")
         compute = ComputeThread()  # every torch op of the peer runs on it, measuring the numerics too
         choice = compute.call(choose_numerics, model_dir, config.dtype, config.device,
-                              min(128, config.chunk_tokens), config.backend)
+                              min(128, config.chunk_tokens), config.backend, config.numerics)
         log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
         info = describe_model(model_dir, config.model_id or model_id, numerics=choice.numerics,
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
@@ -193,6 +214,7 @@ class Peer:
             name=cfg.name or self.peer_id[:8], addresses=direct, relay_addresses=self.reachability.relay_addresses(),
             api_address=self.bound.api, hardware=self._hardware, tracker_eligible=cfg.tracker_eligible and bool(direct),
             software_version=__version__,
+            membership=self.membership.gate.own if self.membership.gate is not None else None,
             # placement sizes ranges by what the device can hold, within what the operator allows
             memory_budget_bytes=min(cfg.memory_budget, self._hardware.device_memory_bytes),
         )
@@ -221,7 +243,35 @@ class Peer:
         if handler is None:
             await stream.reset()
             return
+        gate = self.membership.gate
+        headers = getattr(stream, "headers", None) or {}
+        if stream.path == RPC_PATH:  # the router asks per kind (joining is for anyone); outsiders send little
+            member = gate is None or gate.admit_stream(stream.peer_id, headers.get(MEMBERSHIP_HEADER))
+            stream.limit_messages(MAX_REQUEST_BYTES if member else MAX_OUTSIDER_REQUEST_BYTES)
+        elif gate is not None and not gate.admit_stream(stream.peer_id, headers.get(MEMBERSHIP_HEADER)):
+            with contextlib.suppress(MeshError):
+                gate.require(stream.peer_id, stream.path)  # counts it
+            log.warning("%s stream from %s refused: not a member of mesh %s", stream.path, stream.peer_id[:12],
+                        gate.mesh_id)
+            self._count_refusal(stream.path, "not_member")
+            await stream.reset()
+            return
         await handler(stream)
+
+    def _admit_request(self, sender: str, kind: str, body: object, headers: dict[str, str]) -> None:
+        """Raise unless ``sender`` may make this request: in a private mesh only members may, except
+        to join it with an invite."""
+        gate = self.membership.gate
+        if gate is None or kind == "join":
+            return
+        if not gate.admit_stream(sender, headers.get(MEMBERSHIP_HEADER)):
+            gate.require(sender, kind)
+
+    def _count_refusal(self, kind: str, code: str) -> None:
+        self.metrics.peer_refusals.labels(kind, code).inc()
+
+    async def _on_join(self, sender: str, request: apb.JoinRequest) -> apb.JoinReply:
+        return self.membership.redeem(sender, request)
 
     async def _on_placement(self, sender: str, order: rpb.PlacementOrder) -> rpb.Accepted:
         self.control.check_tracker(sender)
@@ -232,6 +282,27 @@ class Peer:
             log.info("tracker %s placed layers [%d, %d) here", sender[:12], *layers)
             self._nursery.start_soon(self.served.load, *layers)
         return rpb.Accepted()
+
+    async def _codec_for(self, model_id: str, compat_key: str) -> TextCodec:
+        return await self.files.codec_for(model_id, compat_key, self.control.view.sources_of)
+
+    def _membership_bytes(self) -> bytes:
+        gate = self.membership.gate
+        return gate.own.SerializeToString() if gate is not None and gate.own is not None else b""
+
+    def invite_addresses(self) -> list[str]:
+        """Where a joiner redeems an invite made here: this peer's direct addresses."""
+        return self.reachability.direct_addresses() or [self.bound.advertise]
+
+    def known_peer(self, prefix: str) -> str:
+        """The one peer id known here that starts with ``prefix`` (a full id need not be known)."""
+        if len(prefix) == 32:
+            return prefix
+        known = set(self.control.gossip.members()) | set(self.control.gossip.store.cards())
+        matches = sorted(p for p in known if prefix and p.startswith(prefix))
+        if len(matches) != 1:
+            raise ValueError(f"{prefix!r} names {len(matches)} known peers; give more of the peer id")
+        return matches[0]
 
     def _dialback_helpers(self) -> list[tuple[str, str]]:
         view = self.control.view
@@ -276,7 +347,9 @@ class Peer:
             is_tracker=self.control.election.tracker(now) == self.peer_id,
             links={route: links[route] for route in ("direct", "relay")},
             relays_registered=sum(1 for r in self.reachability.registrations if r.registered),
-            decode_batches=dict(host.batcher.stats.batch_sizes) if host is not None else {})
+            decode_batches=dict(host.batcher.stats.batch_sizes) if host is not None else {},
+            rejected_cards={str(k): v for k, v in self.control.gossip.rejected_cards.items()},
+            transport_refusals=dict(self.transport.refusals))
 
     # -- run ---------------------------------------------------------------------------------------
 
@@ -285,6 +358,11 @@ class Peer:
         try:
             async with self.transport, trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.membership.pending is not None:
+                    await self.membership.join(self.transport)
+                    self._republish()  # the card shows the membership from now on
+                if self.membership.gate is not None:
+                    self.transport.stream_headers.update(self.membership.gate.header())
                 listen = Address.parse(cfg.listen)
                 port = await start_listener(nursery, "the peer transport", listen, self.transport.serve, listen,
                                              self.handle_stream)
@@ -297,8 +375,14 @@ class Peer:
                         request_timeout_s=cfg.request_timeout_s,
                         repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s)), sessions,
                         metrics=self.metrics)
+                    replays = EntrySessions(self.peer_id, self.transport, self.routes, EntryConfig(
+                        chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
+                        request_timeout_s=cfg.request_timeout_s, repair=RepairConfig(attempts=0)), sessions)
+                    self.auditor = Auditor(self.identity, replays, self.routes, self.audits, self._codec_for, sessions,
+                                           rate=cfg.audit_rate, tokens=cfg.audit_tokens)
+                    self.control.on_accusation = self.auditor.on_accusation
                     backend = MeshBackend(self.control.view, self.routes, self.entry, self.files,
-                                          leaving=lambda: self.leaving)
+                                          leaving=lambda: self.leaving, after_request=self.auditor.after_request)
                     api = Address.parse(cfg.api)
                     api_port = await start_listener(nursery, "the OpenAI API", api, serve_asgi, build_app(backend),
                                                      api, "meshd.api.http")

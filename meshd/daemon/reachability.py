@@ -59,7 +59,9 @@ class Reachability:
     """
 
     def __init__(self, config: PeerConfig, transport: Transport, identity: Identity,
-                 advertised: Callable[[], str], on_change: Callable[[], None]) -> None:
+                 advertised: Callable[[], str], on_change: Callable[[], None],
+                 membership: Callable[[], bytes] | None = None) -> None:
+        """``membership``: this peer's serialized credential (in a private mesh), shown to relays."""
         self.config = config
         self.transport = transport
         self.identity = identity
@@ -67,7 +69,8 @@ class Reachability:
         self.on_change = on_change
         self.mode = config.reachability
         self.registrations = [] if self.mode == "direct" else [
-            RelayRegistration(identity, relay, self._on_circuit, on_change) for relay in config.relays
+            RelayRegistration(identity, relay, self._on_circuit, on_change, membership=membership)
+            for relay in config.relays
         ]
         self.dialable: bool | None = None  # last dial-back verdict; None until one came back
         self.last_check: dict[str, object] = {}

@@ -42,6 +42,10 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "models_covered": control.view.covered_models(),
         "rejected_cards": {str(k): v for k, v in control.gossip.rejected_cards.items()},
         "rate_limited_requests": dict(peer.rpc.rate_limited),
+        "admission": peer.membership.describe(),
+        "transport_refusals": dict(peer.transport.refusals),
+        "audits": {"rate": peer.config.audit_rate, "outcomes": dict(peer.audits.audits),
+                   "excluded": sorted(peer.audits.excluded()), "running": peer.auditor.running if peer.auditor else 0},
         "uptime_s": round(now - control.started_at, 1),
         "reachability": peer.reachability.status(),
     }
@@ -53,6 +57,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
     view = control.view
     tracker = control.election.tracker(now)
     members = control.gossip.members()
+    demoted = view.demoted()
     rows = []
     for peer_id, card in sorted(view.cards().items()):
         rows.append({
@@ -71,6 +76,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
             "rtt_ms": None if peer_id == peer.peer_id else view.rtt_ms.get(peer_id),
             "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
             "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
+            "audit": peer.audits.of(peer_id), "demoted": demoted.get(peer_id),
         })
     return rows
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from meshd.address import Address
+from meshd.wire import audit_pb2 as apb
 from meshd.wire import card_pb2 as pb
 
 
@@ -45,4 +46,11 @@ class LeaseReceived:
     signed: pb.SignedLease
 
 
-Action = Send | MemberChanged | LeaseReceived
+@dataclass(frozen=True)
+class AccusationHeard:
+    """An accusation that arrived by gossip, unchecked: the host's audits decide what it is worth."""
+
+    signed: apb.SignedAccusation
+
+
+Action = Send | MemberChanged | LeaseReceived | AccusationHeard

@@ -13,7 +13,9 @@ SWIM incarnation, and since only the peer can sign its card, nobody else can ref
 Dissemination. State changes and new cards ride on every outgoing message ("piggyback"), each
 about ``retransmit_mult * ceil(log10(n + 1))`` times; every ``pushpull_interval`` the node also
 swaps digests with ``fanout`` random members and sends each side the cards the other lacks
-(anti-entropy), which repairs whatever piggybacking missed. Leases travel the same way.
+(anti-entropy), which repairs whatever piggybacking missed. Leases travel the same way; in a
+private mesh the latest revocations ride on push-pulls, and a revoked peer is dropped as if it had
+left (its cards are refused from then on by the :class:`~meshd.admission.gate.MeshGate`).
 
 Time to DEAD everywhere. Each period a live target is probed by every other member in turn, so
 with ``n`` members a silent peer goes undetected for ``p`` periods with probability about
@@ -31,17 +33,26 @@ import logging
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshd.address import Address, AddressError
 from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectReason, peek_peer_id, verify_card
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
-from meshd.gossip.events import Action, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip.events import AccusationHeard, Action, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.identity import Identity
+from meshd.wire import admission_pb2 as apb
+from meshd.wire import audit_pb2 as aupb
 from meshd.wire import card_pb2 as pb
 
+if TYPE_CHECKING:
+    from meshd.admission.gate import MeshGate
+
 log = logging.getLogger("meshd.gossip")
+REVOCATIONS_GOSSIPED = 64  # the latest ones ride on each push-pull; a join hands over all of them
+ACCUSATIONS_TAKEN = 32  # from one push-pull (the host decides what they are worth)
+ACCUSATIONS_REMEMBERED = 4096  # seen already: not reported again
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ class GossipNode:
         self.config = config or GossipConfig()
         self.rng = rng or random.Random()
         self.issuer = issuer
-        self.store = CardStore()
+        self.store = CardStore(owner=self_id)
         self.rejected_cards: Counter[RejectReason] = Counter()  # stale echoes count as REPLAYED
         self._members: dict[str, Member] = {}
         self._timed: set[str] = set()  # members with a deadline: suspects (to declare dead), tombstones (to forget)
@@ -147,6 +158,16 @@ class GossipNode:
         # Every message carries the tracker's lease: the same signed bytes arrive many times a second,
         # and checking an Ed25519 signature is most of what merging one costs. Remember what checked out.
         self._verified_leases: dict[bytes, Lease] = {}
+        self.gate: MeshGate | None = None  # a private mesh's admission; None: an open mesh
+        # the accusations this peer's audits stand behind or heard, to ride on push-pulls (the host's)
+        self.accusations: Callable[[], list[aupb.SignedAccusation]] = list
+        self._accusations_seen: dict[bytes, None] = {}
+        self._floor_told: dict[str, float] = {}  # peers told their floor, until when not again
+
+    def admit_with(self, gate: MeshGate) -> None:
+        """Make this a private mesh's node: cards enter only with a valid credential."""
+        self.gate = gate
+        self.store.admit = gate.check_card
 
     @classmethod
     def with_identity(cls, identity: Identity, template: pb.CapabilityCard | None = None,
@@ -172,6 +193,14 @@ class GossipNode:
             if peer_id == self.self_id or (m is not None and m.state not in _GONE):
                 out[peer_id] = card
         return out
+
+    def live_card(self, peer_id: str) -> Card | None:
+        """One peer's card, if :meth:`live_cards` would include it (without building them all)."""
+        card = self.store.get(peer_id)
+        if card is None or peer_id == self.self_id:
+            return card
+        m = self._members.get(peer_id)
+        return card if m is not None and m.state not in _GONE else None
 
     def leases(self) -> list[pb.SignedLease]:
         return [lease.signed for lease in self._leases.values()]
@@ -199,6 +228,26 @@ class GossipNode:
         """Spread a lease issued by this peer's election."""
         self._merge_lease(signed, now, [], report=False)
 
+    def revoke(self, signed: apb.SignedRevocation, now: float) -> list[Action]:
+        """A revocation signed by the mesh's admission key: the peer it names is dropped as left."""
+        actions: list[Action] = []
+        self._merge_revocations([signed], now, actions)
+        return actions
+
+    def _merge_revocations(self, revocations: Iterable[apb.SignedRevocation], now: float,
+                           actions: list[Action]) -> None:
+        if self.gate is None:
+            return
+        for peer_id in self.gate.revoke_all(revocations):
+            if peer_id == self.self_id:
+                continue
+            held = self._members.get(peer_id)
+            known = self.store.known_sequence(peer_id) or 0
+            self._set_state(peer_id, MemberState.LEFT, max(known, held.incarnation if held else 0), now, actions)
+
+    def _revocations(self) -> list[apb.SignedRevocation]:
+        return self.gate.revocations(REVOCATIONS_GOSSIPED) if self.gate is not None else []
+
     def leave(self, now: float) -> list[Action]:
         """Announce a graceful departure; after this the node only answers pings."""
         self._left = True
@@ -212,7 +261,7 @@ class GossipNode:
     def on_message(self, sender: str, msg: pb.GossipMessage, now: float) -> list[Action]:
         """Handle one message; ``sender`` is the peer id the transport authenticated."""
         actions: list[Action] = []
-        self._merge_all(msg.cards, msg.updates, msg.leases, now, actions)
+        self._merge_all(msg.cards, msg.updates, msg.leases, now, actions, sender)
         body = msg.WhichOneof("body")
         if body == "ping":
             ack = pb.Ack(seq=msg.ping.seq, from_peer=self.self_id)
@@ -370,16 +419,16 @@ class GossipNode:
             actions.append(MemberChanged(peer_id, old, state))
 
     def _merge_all(self, cards: Iterable[pb.SignedCard], digests: Iterable[pb.MemberDigest],
-                   leases: Iterable[pb.SignedLease], now: float, actions: list[Action]) -> None:
+                   leases: Iterable[pb.SignedLease], now: float, actions: list[Action], sender: str = "") -> None:
         """Cards first (they prove liveness), then membership claims, then tracker leases."""
         for card in cards:
-            self._merge_card(card, now, actions)
+            self._merge_card(card, now, actions, sender)
         for digest in digests:
             self._merge_digest(digest, now, actions)
         for lease in leases:
             self._merge_lease(lease, now, actions)
 
-    def _merge_card(self, signed: pb.SignedCard, now: float, actions: list[Action]) -> None:
+    def _merge_card(self, signed: pb.SignedCard, now: float, actions: list[Action], sender: str = "") -> None:
         peer_id = peek_peer_id(signed)
         if peer_id == self.self_id:
             self._merge_own_card_echo(signed, now)
@@ -392,6 +441,8 @@ class GossipNode:
             level = logging.INFO if exc.reason == RejectReason.REPLAYED else (
                 logging.DEBUG if exc.reason == RejectReason.FULL else logging.WARNING)
             log.log(level, "card for %s rejected (%s): %s", str(peer_id)[:12], exc.reason, exc)
+            if exc.reason == RejectReason.REPLAYED and peer_id is not None and peer_id == sender:
+                self._tell_floor(peer_id, signed, now, actions)
             return
         assert peer_id is not None
         card = self.store.get(peer_id)
@@ -401,6 +452,29 @@ class GossipNode:
             self._set_state(peer_id, MemberState.ALIVE, card.sequence, now, actions)
         else:
             self._enqueue(peer_id, card=card.signed)
+
+    def _tell_floor(self, peer_id: str, signed: pb.SignedCard, now: float, actions: list[Action]) -> None:
+        """A peer sent its own card, older than the floor held here: it restarted and forgot its
+        sequence. Tell it the floor (it refutes with a newer card), at the address its card names,
+        since with its card refused no address of it is known here. At most once a probe interval."""
+        if now < self._floor_told.get(peer_id, 0.0):
+            return
+        try:
+            card = verify_card(signed, _ms(now))  # its own signature: the address is the peer's word
+            address = Address.coerce(card.card.addresses[0]) if card.card.addresses else None
+        except (CardRejected, AddressError):
+            return
+        floor = self.store.known_sequence(peer_id)
+        if address is None or floor is None:
+            return
+        self._floor_told.pop(peer_id, None)
+        self._floor_told[peer_id] = now + self.config.probe_interval
+        while len(self._floor_told) > self.store.capacity:
+            del self._floor_told[next(iter(self._floor_told))]
+        m = self._members.get(peer_id)
+        state = m.state if m is not None and m.state in _GONE else MemberState.DEAD
+        digest = pb.MemberDigest(peer_id=peer_id, sequence=floor, state=state.wire)
+        actions.append(self._send(address, pb.GossipMessage(updates=[digest])))
 
     def _merge_own_card_echo(self, signed: pb.SignedCard, now: float) -> None:
         """Someone holds a card of ours newer than we remember (we restarted): jump above it."""
@@ -525,14 +599,24 @@ class GossipNode:
 
     def _push_pull_request(self) -> pb.GossipMessage:
         own = self.store.get(self.self_id)
-        request = pb.PushPull(digest=self._digest(), leases=self.leases(), cards=[own.signed] if own else [])
+        request = pb.PushPull(digest=self._digest(), leases=self.leases(), cards=[own.signed] if own else [],
+                              revocations=self._revocations(), accusations=self.accusations())
         return pb.GossipMessage(push_pull=request)
 
     def _on_push_pull(self, sender: str, pp: pb.PushPull, now: float, actions: list[Action]) -> None:
-        self._merge_all(pp.cards, pp.digest, pp.leases, now, actions)
+        self._merge_revocations(pp.revocations, now, actions)
+        self._merge_all(pp.cards, pp.digest, pp.leases, now, actions, sender)
+        for signed in pp.accusations[:ACCUSATIONS_TAKEN]:
+            raw = signed.SerializeToString()
+            if raw not in self._accusations_seen:  # the same ones come on every push-pull
+                self._accusations_seen[raw] = None
+                while len(self._accusations_seen) > ACCUSATIONS_REMEMBERED:
+                    del self._accusations_seen[next(iter(self._accusations_seen))]
+                actions.append(AccusationHeard(signed))
         if not pp.reply:
             reply = pb.PushPull(reply=True, cards=self._cards_lacking(list(pp.digest)), digest=self._digest(),
-                                leases=self.leases())
+                                leases=self.leases(), revocations=self._revocations(),
+                                accusations=self.accusations())
             actions.append(self._send(sender, pb.GossipMessage(push_pull=reply)))
         elif pp.digest:
             lacking = self._cards_lacking(list(pp.digest))

@@ -76,10 +76,10 @@ class Identity:
         return cls(nacl.signing.SigningKey.generate())
 
     @classmethod
-    def load_or_create(cls, data_dir: Path) -> Identity:
-        """Load ``data_dir/identity.key``, creating it (mode 0600) on first run."""
+    def load_or_create(cls, data_dir: Path, file_name: str = KEY_FILE_NAME) -> Identity:
+        """Load ``data_dir/identity.key`` (or ``file_name``), creating it (mode 0600) on first run."""
         data_dir = Path(data_dir)
-        path = data_dir / KEY_FILE_NAME
+        path = data_dir / file_name
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             return cls._create(path)

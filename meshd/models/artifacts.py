@@ -116,7 +116,7 @@ class ModelFilesCache:
             raise ModelFilesUnavailable(str(exc)) from exc
         await trio.to_thread.run_sync(_store, stored, dict(got.files), got.architecture, got.weights_digest,
                                       got.numerics)
-        log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, peer_id[:12])
+        log.info("fetched the tokenizer of %s from %s (compat key verified)", model_id, str(peer_id)[:12])
         return stored
 
 

@@ -37,12 +37,18 @@ REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
 # so that only a peer that floods is refused.
 RATE_LIMITS: dict[str, tuple[float, float]] = {
     "gossip": (50.0, 200.0), "route": (100.0, 400.0), "placement": (10.0, 40.0), "model_files": (10.0, 40.0),
-    "dialback": (2.0, 10.0), "manifest": (5.0, 20.0), "chunk": (500.0, 1000.0),
+    "dialback": (2.0, 10.0), "manifest": (5.0, 20.0), "chunk": (500.0, 1000.0), "join": (1.0, 5.0),
 }
 MAX_SENDERS = 10_000  # senders whose rates are tracked; the longest unheard are forgotten first
+MAX_IN_FLIGHT = 32  # requests one sender may have this peer working on at once; more are reset unread
+MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a push-pull carrying a full card store is about half of this
+MAX_OUTSIDER_REQUEST_BYTES = 64 * 1024  # from a peer not (yet) admitted to a private mesh: an invite fits
 
 Handler = Callable[[str, Any], Awaitable[Message]]
 """``handler(sender peer id, request body) -> reply body`` (a message that fits ``PeerReply.body``)."""
+Admit = Callable[[str, str, Any, dict[str, str]], None]
+"""``admit(sender, kind, body, stream headers)`` raises a :class:`MeshError` when the sender may not
+ask this at all."""
 
 _REPLY_FIELDS = {field.message_type.full_name: field.name
                  for field in pb.PeerReply.DESCRIPTOR.oneofs_by_name["body"].fields if field.message_type is not None}
@@ -71,14 +77,18 @@ class RpcRouter:
     """The responder's table of handlers, one per kind of ``PeerRequest``."""
 
     def __init__(self, limits: dict[str, tuple[float, float]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, admit: Admit | None = None,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
         self._handlers: dict[str, Handler] = {}
+        self.admit = admit
+        self.on_refused = on_refused
         self.served: dict[str, int] = {}
         self.refused: dict[str, int] = {}
         self.rate_limited: dict[str, int] = {}
         self.limits = RATE_LIMITS if limits is None else limits
         self.clock = clock
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._in_flight: dict[str, int] = {}
 
     def _allowed(self, sender: str, kind: str) -> bool:
         limit = self.limits.get(kind)
@@ -101,7 +111,8 @@ class RpcRouter:
             raise ValueError(f"a handler for {kind!r} is already registered")
         self._handlers[kind] = handler
 
-    async def dispatch(self, sender: str, request: pb.PeerRequest) -> pb.PeerReply:
+    async def dispatch(self, sender: str, request: pb.PeerRequest,
+                       headers: dict[str, str] | None = None) -> pb.PeerReply:
         """The reply to one request; never raises for anything the request or its handler did."""
         kind = request.WhichOneof("body")
         handler = self._handlers.get(kind) if kind is not None else None
@@ -111,22 +122,47 @@ class RpcRouter:
         if not self._allowed(sender, kind):
             self.rate_limited[kind] = self.rate_limited.get(kind, 0) + 1
             log.debug("%s request from %s refused: over its rate", kind, sender[:12])
-            return error_reply(ErrorCode.RATE_LIMITED, f"too many {kind} requests from this peer; slow down")
+            return self._refusal(kind, ErrorCode.RATE_LIMITED, f"too many {kind} requests from this peer; slow down")
+        body = getattr(request, kind)
         try:
-            reply = reply_of(await handler(sender, getattr(request, kind)))
+            if self.admit is not None:
+                self.admit(sender, kind, body, headers or {})
+            reply = reply_of(await handler(sender, body))
         except MeshError as exc:
             log.info("%s request from %s refused: %s", kind, sender[:12], exc)
             self.refused[kind] = self.refused.get(kind, 0) + 1
-            return error_reply(exc.code, str(exc))
+            return self._refusal(kind, exc.code, str(exc))
         except Exception:
             log.exception("%s request from %s failed", kind, sender[:12])
             self.refused[kind] = self.refused.get(kind, 0) + 1
-            return error_reply(ErrorCode.INTERNAL_ERROR, f"{kind} failed on this peer")
+            return self._refusal(kind, ErrorCode.INTERNAL_ERROR, f"{kind} failed on this peer")
         self.served[kind] = self.served.get(kind, 0) + 1
         return reply
 
+    def _refusal(self, kind: str, code: ErrorCode, message: str) -> pb.PeerReply:
+        if self.on_refused is not None:
+            self.on_refused(kind, code.value)
+        return error_reply(code, message)
+
     async def serve(self, stream: MessageStream) -> None:
-        """Answer the one request on ``stream``; a stream that is not exactly one message is reset."""
+        """Answer the one request on ``stream``; a stream that is not exactly one message is reset, and
+        so is one from a sender that has :data:`MAX_IN_FLIGHT` requests in progress already."""
+        sender = stream.peer_id
+        if self._in_flight.get(sender, 0) >= MAX_IN_FLIGHT:
+            self.rate_limited["in_flight"] = self.rate_limited.get("in_flight", 0) + 1
+            if self.on_refused is not None:
+                self.on_refused("in_flight", ErrorCode.RATE_LIMITED.value)
+            await stream.reset()
+            return
+        self._in_flight[sender] = self._in_flight.get(sender, 0) + 1
+        try:
+            await self._serve(stream)
+        finally:
+            left = self._in_flight.pop(sender) - 1
+            if left:
+                self._in_flight[sender] = left
+
+    async def _serve(self, stream: MessageStream) -> None:
         with trio.move_on_after(REQUEST_WAIT_S):
             body = await stream.receive_message()
             # The requester ends its side right after its one message; wait for that before replying,
@@ -139,7 +175,7 @@ class RpcRouter:
                 except DecodeError:
                     reply = error_reply(ErrorCode.BAD_REQUEST, "the request does not parse as a PeerRequest")
                 else:
-                    reply = await self.dispatch(stream.peer_id, request)
+                    reply = await self.dispatch(stream.peer_id, request, getattr(stream, "headers", None))
                 await stream.send_message(reply.SerializeToString())
                 await stream.end()
                 return
@@ -152,19 +188,20 @@ class NoSourceAnswered(MeshError):
     code = ErrorCode.NO_ROUTE
 
 
-async def ask_in_turn(opener: StreamOpener, sources: Iterable[tuple[str, str]], request: pb.PeerRequest,
-                      kind: str, check: Callable[[Any], T], timeout: float, what: str) -> tuple[str, T]:
+async def ask_in_turn(opener: StreamOpener, sources: Iterable[tuple[str | None, str]], request: pb.PeerRequest,
+                      kind: str, check: Callable[[Any], T], timeout: float, what: str) -> tuple[str | None, T]:
     """Ask each (peer id, address) in turn for ``kind``; the first peer whose reply ``check`` accepts
-    (it returns the checked value, or raises a :class:`MeshError` to refuse it) and that value."""
+    (it returns the checked value, or raises a :class:`MeshError` to refuse it) and that value. A
+    peer id None accepts whoever answers at the address."""
     last: Exception | None = None
     for peer_id, address in sources:
         try:
             reply = await call(opener, peer_id, address, request, timeout=timeout)
             if reply.WhichOneof("body") != kind:
-                raise RpcFailed(ErrorCode.PROTOCOL, f"answered {reply.WhichOneof('body')!r}", peer_id)
+                raise RpcFailed(ErrorCode.PROTOCOL, f"answered {reply.WhichOneof('body')!r}", peer_id or "")
             return peer_id, check(getattr(reply, kind))
         except MeshError as exc:
-            log.warning("%s from %s refused: %s", what, peer_id[:12], exc)
+            log.warning("%s from %s refused: %s", what, (peer_id or address)[:24], exc)
             last = exc
     raise NoSourceAnswered(f"no peer handed out {what}" + (f"; the last said: {last}" if last else "")) from last
 

@@ -22,7 +22,7 @@ from meshd.runtime.backends import resolve_backend
 from meshd.runtime.devices import resolve_device
 from meshd.runtime.loader import Checkpoint, is_gguf_model, load_config, open_checkpoint, weight_files
 from meshd.runtime.manifest import Manifest, weights_manifest
-from meshd.runtime.numerics import Choice, Numerics, calibrate, default_numerics
+from meshd.runtime.numerics import Choice, Numerics, calibrate, default_numerics, numerics_from_name
 from meshd.wire.bundle import SCHEMA_VERSION
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -118,10 +118,12 @@ def gguf_weights_name(model_dir: Path) -> str:
 
 
 def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", prefill_rows: int = 128,
-                    backend: str = "auto") -> Choice:
+                    backend: str = "auto", pinned: str = "") -> Choice:
     """The numerics a shard of this model uses here: the requested dtype (``auto``: the checkpoint's
-    own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``);
-    or, on the llama.cpp backend, ggml's own numerics for the file's quantization."""
+    own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``),
+    or the class ``pinned`` names (measurements differ a little from peer to peer, and peers in
+    different classes never share a route); on the llama.cpp backend, ggml's own numerics for the
+    file's quantization."""
     from meshd.runtime.shard import resolve_dtype
 
     model_dir = Path(model_dir)
@@ -133,6 +135,15 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
         return Choice(Numerics(torch.float32, resolve_device(device), backend="llama.cpp", weights=weights), {})
     held = resolve_dtype(dtype, model_dir)
     base = replace(default_numerics(held, resolve_device(device)), weights=weights)
+    if pinned:
+        try:
+            chosen = numerics_from_name(pinned, base.device)
+        except ValueError as exc:
+            raise ModelFormatError(str(exc)) from None
+        if (chosen.dtype, chosen.weights) != (base.dtype, base.weights):
+            raise ModelFormatError(f"numerics class {pinned!r} holds other weights than this peer does: it would "
+                                   f"hold this model as {base.name} (see --dtype)")
+        return Choice(chosen, {})
     config = load_config(model_dir)
     adapter = adapter_for(config)
     index = open_checkpoint(model_dir)

@@ -81,6 +81,10 @@ class RouteSource(Protocol):
 
     def mark_unreachable(self, peer_id: str) -> None: ...
 
+    def demote(self, peer_id: str, why: str) -> None:
+        """``peer_id``'s card claimed what the peer does not serve."""
+        ...
+
 
 # -- one attempt -------------------------------------------------------------------------------------
 
@@ -335,6 +339,8 @@ class EntrySessions:
             self.metrics.event("route failed", session=gen.session_id, cause=str(failure.code),
                                after_tokens=len(generated), message=failure.message)
             live.repairs += 1
+            if failure.code == ErrorCode.RANGE_MISMATCH and failure.peer_id:
+                self.routes.demote(failure.peer_id, failure.message)  # caught on first use
             unreachable = policy.on_failure(failure, len(generated), route, trio.current_time())
             if unreachable is not None:
                 self.routes.mark_unreachable(unreachable)

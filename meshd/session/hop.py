@@ -256,7 +256,7 @@ class HopService:
             open_ = self.book.check_open(m.parse(await _receive_open(stream)), holding)
             assert holding is not None
             bind_log_context(session=open_.session_id, route=route_id(open_.epoch, [h.peer_id for h in open_.hops]))
-            key = self.book.admit(open_, holding, self.queued)
+            key = self.book.admit(open_, holding, self.queued, opener=stream.peer_id, now=time.monotonic())
             self.stats.sessions_served += 1
             me = open_.hops[open_.hop_index]
             self.live[key] = LiveHopSession(open_.session_id, open_.epoch, open_.model_id, open_.hop_index,

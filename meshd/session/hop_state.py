@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshd.errors import BundleError, ErrorCode, MeshError, RangeMismatch
+from meshd.limits import TokenBucket
 from meshd.runtime.kv import SessionKey
 from meshd.runtime.shard import HIDDEN_STATES, StepResult
 from meshd.wire import session_pb2 as pb
@@ -52,10 +53,15 @@ class NextHopFailed(MeshError):
         self.peer_id = peer_id
 
 
+MAX_OPENERS = 10_000  # upstream peers whose rate of opens is tracked
+SHARING_WINDOW_S = 60.0  # an upstream peer that opened a session this recently shares the hop
+
+
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_sessions: int = 64
     max_queue: int = 32
+    opens_per_s: float = 50.0  # sessions one upstream peer may open here per second (bursts of max_sessions)
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,9 @@ class HopBook:
     _reserved: dict[SessionKey, int] = field(default_factory=dict)
     _retained: dict[SessionKey, float] = field(default_factory=dict)  # key -> kept until (clock time)
     _outputs: dict[SessionKey, OutputCache] = field(default_factory=dict)
+    _opens: dict[str, TokenBucket] = field(default_factory=dict)  # by upstream peer, least recent first
+    _opened_by: dict[SessionKey, str] = field(default_factory=dict)  # the upstream peer of each session
+    _last_open: dict[str, float] = field(default_factory=dict)  # upstream peer -> when it last asked
 
     @property
     def active_sessions(self) -> int:
@@ -186,20 +195,34 @@ class HopBook:
         me = open_.hops[open_.hop_index]
         if me.peer_id != holding.peer_id or (me.range_start, me.range_end) != holding.layers:
             raise RangeMismatch(f"route names {me.peer_id[:12]} for [{me.range_start}, {me.range_end}); this is "
-                                f"{holding.peer_id[:12]} holding {list(holding.layers)}")
+                                f"{holding.peer_id[:12]} holding [{holding.layers[0]}, {holding.layers[1]})")
         return open_
 
-    def admit(self, open_: pb.SessionOpen, holding: Holding, queued: int) -> SessionKey:
+    def admit(self, open_: pb.SessionOpen, holding: Holding, queued: int, opener: str = "",
+              now: float = 0.0) -> SessionKey:
         """Reserve the session's KV against the session limit, the compute queue and the byte budget,
-        or refuse with a reason the entry routes around."""
+        or refuse with a reason the entry routes around. ``opener``: the upstream peer, whose rate of
+        opens is bounded (at ``now``)."""
         key = (open_.session_id, open_.epoch)
         if key in self._reserved:
             raise BundleError(f"session {open_.session_id[:12]} epoch {open_.epoch} is already open here")
         if self.leaving:
             raise Refused(ErrorCode.LEAVING, "this peer is leaving the mesh and takes no new sessions")
+        if opener and self.limits.opens_per_s > 0:
+            bucket = self._opens.pop(opener, None) or TokenBucket(self.limits.opens_per_s,
+                                                                  max(1.0, float(self.limits.max_sessions)), 0.0, now)
+            self._opens[opener] = bucket
+            while len(self._opens) > MAX_OPENERS:
+                del self._opens[next(iter(self._opens))]
+            if bucket.take(1, now) != 0.0:
+                raise Refused(ErrorCode.RATE_LIMITED, f"{opener[:12]} opens sessions faster than "
+                              f"{self.limits.opens_per_s:g} a second")
         if len(self._reserved) >= self.limits.max_sessions:
             raise Refused(ErrorCode.OVERLOADED,
                           f"{len(self._reserved)} sessions running (limit {self.limits.max_sessions})")
+        if opener and self._crowding(opener, now):
+            raise Refused(ErrorCode.OVERLOADED, f"{opener[:12]} holds its share of the sessions here, and few are "
+                          "left for other peers")
         if queued >= self.limits.max_queue:
             raise Refused(ErrorCode.OVERLOADED, f"{queued} steps queued for compute (limit {self.limits.max_queue})")
         need = max(1, open_.max_tokens) * holding.kv_bytes_per_token
@@ -210,7 +233,25 @@ class HopBook:
                 raise Refused(ErrorCode.KV_BUDGET, f"session needs {need} KV bytes; {budget - reserved} of "
                               f"{budget} free")
         self._reserved[key] = need
+        if opener:
+            self._opened_by[key] = opener
         return key
+
+    def _crowding(self, opener: str, now: float) -> bool:
+        """Whether one more session from ``opener`` would crowd others out: while other upstream peers
+        use this hop too (they asked within :data:`SHARING_WINDOW_S`) and fewer than a quarter of the
+        sessions are free, no upstream peer may hold more than half of them. A peer alone may use all."""
+        self._last_open.pop(opener, None)
+        self._last_open[opener] = now
+        while len(self._last_open) > MAX_OPENERS:
+            del self._last_open[next(iter(self._last_open))]
+        limit = self.limits.max_sessions
+        if limit - len(self._reserved) >= max(1, limit // 4):
+            return False
+        if not any(who != opener and now - at < SHARING_WINDOW_S for who, at in self._last_open.items()):
+            return False
+        held = sum(1 for who in self._opened_by.values() if who == opener)
+        return held >= max(1, limit // 2)
 
     def resume(self, open_: pb.SessionOpen, resume_kv: ResumeKV, now: float) -> tuple[int, list[SessionKey]]:
         """Keep the previous epoch's KV when every hop up to this one is unchanged: how many tokens of
@@ -254,6 +295,7 @@ class HopBook:
     def finish(self, key: SessionKey, *, failed: bool, kv_held: bool, now: float) -> list[SessionKey]:
         """The seam of ``key`` ended; a failed session whose KV is here is kept for a repair, briefly."""
         self._reserved.pop(key, None)
+        self._opened_by.pop(key, None)
         if failed and kv_held:
             self._retained[key] = now + self.resume_grace_s
             return []

@@ -31,7 +31,7 @@ from meshd.errors import ErrorCode, MeshError
 from meshd.session.attempt import SessionFailed
 from meshd.tracker.view import Route
 
-REFUSALS = frozenset({ErrorCode.OVERLOADED, ErrorCode.KV_BUDGET, ErrorCode.LEAVING})
+REFUSALS = frozenset({ErrorCode.OVERLOADED, ErrorCode.KV_BUDGET, ErrorCode.LEAVING, ErrorCode.RATE_LIMITED})
 NOBODYS_FAULT = frozenset({ErrorCode.CACHE_MISS, ErrorCode.POSITION_MISMATCH})
 
 

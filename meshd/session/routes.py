@@ -27,8 +27,9 @@ class RouteClient:
     """A :class:`~meshd.session.entry.RouteSource` over the gossip view and the elected tracker."""
 
     def __init__(self, view: MeshView, opener: StreamOpener, tracker: Callable[[], str | None],
-                 duties: TrackerDuties) -> None:
+                 duties: TrackerDuties, excluded: Callable[[], frozenset[str]] = frozenset) -> None:
         self.view = view
+        self.excluded = excluded  # peers this peer's audits caught computing wrong: in none of its routes
         self.opener = opener
         self.tracker = tracker
         self.duties = duties  # its epoch counter numbers locally planned routes too
@@ -39,12 +40,16 @@ class RouteClient:
     def mark_unreachable(self, peer_id: str) -> None:
         self.view.mark_unreachable(peer_id)
 
+    def demote(self, peer_id: str, why: str) -> None:
+        self.view.demote(peer_id, why)
+
     async def route_for(self, model_id: str, exclude: frozenset[str] = frozenset(),
                         keep: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset(),
                         compat_key: str = "") -> PlannedRoute:
         """A route without ``exclude``, using as few avoided peers as it can (``avoid``, and peers this
         peer found unreachable or gossip suspects), favouring ``keep`` (the peers that hold a session
         being repaired), and only through peers of ``compat_key`` when given."""
+        exclude = exclude | self.excluded() | frozenset(self.view.demoted())
         avoid = (avoid | self.view.avoided()) - exclude
         route, source = await self._ask_tracker(model_id, exclude, keep, avoid, compat_key)
         if route is None:

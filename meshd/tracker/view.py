@@ -8,6 +8,7 @@ planes ask: where to dial a peer, whether it is alive, which models the mesh cov
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from meshd.wire import card_pb2 as cpb
 
 if TYPE_CHECKING:
     from meshd.gossip.node import GossipNode
+
+log = logging.getLogger("meshd.tracker")
 
 DEFAULT_CONTEXT_LENGTH = 2048
 MAX_LAYERS = 1024  # more than any model has; placement and routing work per layer, so a card may not claim more
@@ -133,6 +136,7 @@ class MeshView:
     rtt_ms: dict[str, float] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # wall-clock time of the last message heard
     _unreachable: dict[str, float] = field(default_factory=dict)
+    _demoted: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer -> (card sequence, why)
 
     @property
     def self_id(self) -> str:
@@ -169,7 +173,7 @@ class MeshView:
         return DEFAULT_CONTEXT_LENGTH
 
     def address_of(self, peer_id: str) -> str | None:
-        card = self.gossip.live_cards().get(peer_id)
+        card = self.gossip.live_card(peer_id)
         return None if card is None else dial_address(card.card)
 
     def sources_of(self, compat_key: str) -> list[tuple[str, str]]:
@@ -207,6 +211,25 @@ class MeshView:
     def mark_unreachable(self, peer_id: str) -> None:
         """Keep routes away from a peer that just failed to answer, until gossip decides about it."""
         self._unreachable[peer_id] = self.clock() + UNREACHABLE_FOR_S
+
+    def demote(self, peer_id: str, why: str) -> None:
+        """A peer's card claimed what it does not do (a range it does not hold): keep it out of routes
+        until it issues a new card, a new claim to try."""
+        card = self.gossip.store.get(peer_id)
+        if card is not None and peer_id != self.self_id:
+            self._demoted[peer_id] = (card.sequence, why)
+            log.warning("demoted %s: its card claims what it does not serve (%s)", peer_id[:12], why)
+
+    def demoted(self) -> dict[str, str]:
+        """Peers demoted for their current card, with why."""
+        out = {}
+        for peer_id, (sequence, why) in list(self._demoted.items()):
+            card = self.gossip.store.get(peer_id)
+            if card is None or card.sequence != sequence:
+                del self._demoted[peer_id]  # gone, or a new card: a new claim
+            else:
+                out[peer_id] = why
+        return out
 
     def avoided(self) -> frozenset[str]:
         """Peers routes should avoid when they can: recently unreachable, or not known to be alive."""

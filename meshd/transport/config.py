@@ -23,6 +23,14 @@ class TransportConfig:
     handshake_timeout: float = 10.0  # how long an inbound connection may take to authenticate
     stream_window: int = 1024 * 1024
     max_concurrent_streams: int = 256
+    # Bytes of messages one connection's streams may hold received but not yet read whole (partial
+    # messages, and whole ones waiting for their reader): a peer that sends more has the stream that
+    # crossed the line reset. With the flow-control windows, this bounds what one peer can make us hold.
+    max_buffered_bytes: int = 128 * 1024 * 1024
+    max_header_list_bytes: int = 16 * 1024  # the headers of one stream, decoded
+    max_handshakes: int = 128  # inbound connections authenticating at once; more are closed at once
+    max_handshakes_per_host: int = 16
+    max_inbound_connections: int = 1024  # authenticated inbound connections at once
     read_size: int = 64 * 1024
     relay_chunk_bytes: int = 64 * 1024  # largest WebSocket message sent through a relay
 

@@ -26,7 +26,7 @@ from h2.errors import ErrorCodes
 from h2.settings import SettingCodes, Settings
 
 from meshd.transport.config import TransportConfig
-from meshd.transport.errors import FramingError, MessageTooLarge, StreamReset, TransportError
+from meshd.transport.errors import BufferFull, FramingError, MessageTooLarge, StreamReset, TransportError
 from meshd.transport.framing import LENGTH_PREFIX, MessageDecoder
 
 logger = logging.getLogger("meshd.transport")
@@ -73,14 +73,19 @@ class Connection:
         settings = {
             SettingCodes.INITIAL_WINDOW_SIZE: config.stream_window,
             SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+            SettingCodes.MAX_HEADER_LIST_SIZE: config.max_header_list_bytes,
         }
         if client_side:
             settings[SettingCodes.ENABLE_PUSH] = 0
         self._h2.local_settings = Settings(client=client_side, initial_values=settings)
+        # settings given as initial values count as acknowledged, so h2 never applies this one itself
+        self._h2.decoder.max_header_list_size = config.max_header_list_bytes
         self._h2.initiate_connection()
         if config.connection_window > _DEFAULT_CONNECTION_WINDOW:
             self._h2.increment_flow_control_window(config.connection_window - _DEFAULT_CONNECTION_WINDOW)
         self._streams: dict[int, Stream] = {}
+        self.buffered_bytes = 0  # held by this connection's streams, received but not read whole
+        self.refusals: dict[str, int] = {}  # streams refused for what they sent, by reason
         self._changed = _Signal()  # windows, flushes, free stream slots, closure
         self._writer_wakeup = trio.Event()
         self._wanted_seq = 0
@@ -188,6 +193,7 @@ class Connection:
             self._cancel_scope.cancel()
 
     def _forget(self, stream: Stream) -> None:
+        stream._drop_buffered()
         if self._streams.get(stream.stream_id) is stream:
             del self._streams[stream.stream_id]
             self._changed.fire()
@@ -232,6 +238,7 @@ class Connection:
                         self._close("closed locally")
                         return
                     logger.warning("HTTP/2 protocol error from %s, closing the connection: %s", self.peer_id, exc)
+                    self.refusals["protocol_error"] = self.refusals.get("protocol_error", 0) + 1
                     with trio.move_on_after(_GOAWAY_FLUSH_SECONDS), contextlib.suppress(TransportError):
                         await self.flush()
                     self._close(f"protocol error: {exc}")
@@ -338,6 +345,7 @@ class Stream:
         self._unacknowledged = 0
         self._decoder = MessageDecoder(connection._config.max_message_bytes)
         self._messages: deque[bytes] = deque()
+        self._buffered = 0  # this stream's share of the connection's buffered_bytes
         self._signal = _Signal()
         self._send_lock = trio.Lock()
 
@@ -401,12 +409,15 @@ class Stream:
         while True:
             self._raise_if_unreadable()
             if self._messages:
-                return self._messages.popleft()
+                message = self._messages.popleft()
+                self._account()
+                return message
             if self._inbound:
                 data, flow_length = self._inbound.popleft()
                 self._consumed(flow_length)
                 try:
                     self._messages.extend(self._decoder.feed(data))
+                    self._account()
                 except FramingError as exc:
                     self._fail_framing(exc)
                     raise
@@ -516,6 +527,30 @@ class Stream:
     def _maybe_forget(self) -> None:
         if self._local_ended and self._remote_ended:
             self._release()
+
+    def limit_messages(self, max_bytes: int) -> None:
+        """Accept no message larger than ``max_bytes`` on this stream (below the transport's limit)."""
+        self._decoder.max_message_bytes = min(self._decoder.max_message_bytes, max_bytes)
+
+    def _account(self) -> None:
+        """Update the connection's buffered bytes; over its budget, this stream is the one refused."""
+        if self._buffered < 0:  # forgotten by its connection: what it still holds is the reader's
+            return
+        held = self._decoder.buffered_bytes + sum(len(m) for m in self._messages)
+        self._conn.buffered_bytes += held - self._buffered
+        self._buffered = held
+        limit = self._conn._config.max_buffered_bytes
+        if self._conn.buffered_bytes > limit:
+            self._drop_buffered()
+            self._messages.clear()
+            self._decoder = MessageDecoder(self._decoder.max_message_bytes)
+            self._conn.refusals["buffer_full"] = self._conn.refusals.get("buffer_full", 0) + 1
+            raise BufferFull(f"peer {self.peer_id} has more than {limit} bytes of unread messages buffered here")
+
+    def _drop_buffered(self) -> None:
+        """Stop counting this stream against its connection (it failed, or the connection forgot it)."""
+        self._conn.buffered_bytes -= max(0, self._buffered)
+        self._buffered = -1
 
     def _fail_framing(self, exc: FramingError) -> None:
         logger.warning("bad framing on stream %s from %s, resetting it: %s", self.path, self.peer_id, exc)

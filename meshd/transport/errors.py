@@ -44,6 +44,12 @@ class MessageTooLarge(FramingError):
     error_code: int = ErrorCodes.FRAME_SIZE_ERROR
 
 
+class BufferFull(MessageTooLarge):
+    """The streams of one connection hold more unread bytes than ``max_buffered_bytes``."""
+
+    error_code: int = ErrorCodes.ENHANCE_YOUR_CALM
+
+
 def _code_name(error_code: int) -> str:
     try:
         return ErrorCodes(error_code).name

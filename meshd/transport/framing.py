@@ -37,6 +37,11 @@ class MessageDecoder:
         """Whether part of a message is buffered (ending the stream now would truncate it)."""
         return bool(self._buffer) or self._expected is not None
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for a message not complete yet."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> list[bytes]:
         if self._error is not None:
             raise self._error

@@ -58,6 +58,7 @@ class MemoryStream:
         self._local_ended = False
         self._remote_ended = False
         self._reset: StreamReset | None = None
+        self._max_message_bytes: int | None = None
 
     @property
     def peer_id(self) -> str:
@@ -94,7 +95,13 @@ class MemoryStream:
             self._remote_ended = True
             self._maybe_forget()
             return None
+        if self._max_message_bytes is not None and len(item) > self._max_message_bytes:
+            self.break_now(ErrorCodes.FRAME_SIZE_ERROR, "message too large", notify=True)
+            raise MessageTooLarge(f"a {len(item)}-byte message; this stream takes at most {self._max_message_bytes}")
         return item
+
+    def limit_messages(self, max_bytes: int) -> None:
+        self._max_message_bytes = max_bytes
 
     async def end(self) -> None:
         await trio.lowlevel.checkpoint()

@@ -27,6 +27,7 @@ marked as a relay (:class:`meshd.address.Address` with ``relay=True``). ``Transp
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 import logging
@@ -71,6 +72,7 @@ class Reason(enum.StrEnum):
     NOT_ACCEPTED = "not_accepted"
     UNKNOWN_CIRCUIT = "unknown_circuit"
     BAD_PATH = "bad_path"
+    NOT_MEMBER = "not_member"
 
 
 CLOSE_CODES: dict[Reason, int] = {reason: 4000 + i for i, reason in enumerate(Reason)}
@@ -110,10 +112,14 @@ def challenge_message(nonce: bytes) -> str:
     return json.dumps({"type": "challenge", "nonce": nonce.hex()})
 
 
-def registration_message(identity: Identity, nonce: bytes) -> str:
+def registration_message(identity: Identity, nonce: bytes, membership: bytes = b"") -> str:
+    """``membership``: the peer's serialized credential, for a relay that serves one private mesh."""
     signature = identity.sign(signed_payload(nonce, identity.public_key))
-    return json.dumps({"type": "register", "public_key": identity.public_key.hex(), "nonce": nonce.hex(),
-                       "signature": signature.hex()})
+    doc = {"type": "register", "public_key": identity.public_key.hex(), "nonce": nonce.hex(),
+           "signature": signature.hex()}
+    if membership:
+        doc["membership"] = base64.b64encode(membership).decode("ascii")
+    return json.dumps(doc)
 
 
 def registered_message(peer_id: str) -> str:
@@ -155,6 +161,7 @@ class Registration:
     peer_id: str
     public_key: bytes
     nonce: bytes
+    membership: bytes = b""  # a serialized SignedMembership, when the peer showed one
 
 
 def read_registration(doc: dict) -> Registration:
@@ -166,7 +173,13 @@ def read_registration(doc: dict) -> Registration:
     signature = _hex_field(doc, "signature", SIGNATURE_BYTES)
     if not verify(public_key, signed_payload(nonce, public_key), signature):
         raise RelayRejected(Reason.BAD_SIGNATURE, "signature does not verify for this key and nonce")
-    return Registration(peer_id=peer_id_from_public_key(public_key), public_key=public_key, nonce=nonce)
+    shown = doc.get("membership", "")
+    try:
+        membership = base64.b64decode(shown, validate=True) if isinstance(shown, str) else b""
+    except ValueError:
+        raise RelayRejected(Reason.MALFORMED, "membership must be base64") from None
+    return Registration(peer_id=peer_id_from_public_key(public_key), public_key=public_key, nonce=nonce,
+                        membership=membership)
 
 
 # -- the peer's side -------------------------------------------------------------------------------
@@ -193,8 +206,10 @@ class RelayRegistration:
 
     def __init__(self, identity: Identity, relay: Address | str, on_circuit: CircuitHandler,
                  on_change: Callable[[], None] | None = None, *, backoff_initial: float = 0.25,
-                 backoff_max: float = 8.0, keepalive_s: float = 10.0, max_chunk: int = 64 * 1024) -> None:
+                 backoff_max: float = 8.0, keepalive_s: float = 10.0, max_chunk: int = 64 * 1024,
+                 membership: Callable[[], bytes] | None = None) -> None:
         self.identity = identity
+        self.membership = membership  # this peer's credential when in a private mesh, read at each registration
         self.relay = Address.coerce(relay).endpoint
         self.address = str(relay_address(self.relay))  # what the card advertises while registered
         self.on_circuit = on_circuit
@@ -243,7 +258,8 @@ class RelayRegistration:
             with trio.fail_after(10):
                 challenge = parse_message(await _get(ws), "challenge")
                 nonce = _hex_field(challenge, "nonce", NONCE_BYTES)
-                await ws.send_message(registration_message(self.identity, nonce))
+                shown = self.membership() if self.membership is not None else b""
+                await ws.send_message(registration_message(self.identity, nonce, shown))
                 reply = parse_message(await _get(ws), "registered")
             if reply.get("peer_id") != self.identity.peer_id:
                 raise RelayRejected(Reason.MALFORMED, "relay registered another peer id")

@@ -36,6 +36,10 @@ class MessageStream(Protocol):
         """Half-close: this side sends nothing more."""
         ...
 
+    def limit_messages(self, max_bytes: int) -> None:
+        """Refuse (reset the stream on) any later message larger than ``max_bytes``."""
+        ...
+
     async def reset(self, error_code: int = ...) -> None:
         """Abort both directions."""
         ...

@@ -47,6 +47,10 @@ class Transport:
         self._outbound_via: dict[str | Address, Address] = {}
         self._dial_locks: dict[str | Address, trio.Lock] = {}
         self._inbound: set[Connection] = set()
+        self._handshaking = 0
+        self._handshaking_from: dict[str, int] = {}
+        self.refusals: dict[str, int] = {}  # inbound connections and streams refused, by reason
+        self.stream_headers: dict[str, str] = {}  # sent on every stream opened (a private mesh's membership)
         self._serve_scopes: set[trio.CancelScope] = set()
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
@@ -125,27 +129,57 @@ class Transport:
         certificate, context = self._server_identity()
         await self._accept(stream, context, certificate.der, handler, remote)
 
+    def _refuse(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
     async def _accept(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes, handler: Handler,
                       remote: str | None = None) -> None:
         remote = remote or _describe(tcp)
+        host = remote.rsplit(":", 1)[0]
+        cfg = self.config
+        # A connection costs memory from its first byte: bound how many may be authenticating, from
+        # anyone and from one host, so that connections held open without a handshake (slow-loris)
+        # cannot pile up, and how many authenticated ones are served.
+        if len(self._inbound) >= cfg.max_inbound_connections:
+            reason = "connections_full"
+        elif self._handshaking >= cfg.max_handshakes:
+            reason = "handshakes_full"
+        elif self._handshaking_from.get(host, 0) >= cfg.max_handshakes_per_host:
+            reason = "handshakes_full_for_host"
+        else:
+            reason = ""
+        if reason:
+            self._refuse(reason)
+            logger.warning("refused connection from %s: %s", remote, reason.replace("_", " "))
+            await trio.aclose_forcefully(tcp)
+            return
+        self._handshaking += 1
+        self._handshaking_from[host] = self._handshaking_from.get(host, 0) + 1
         try:
-            with trio.fail_after(self.config.handshake_timeout):
+            with trio.fail_after(cfg.handshake_timeout):
                 stream, peer_id = await server_handshake(tcp, context, cert_der)
         except PeerAuthError as exc:
+            self._refuse("auth_failed")
             logger.warning("rejected connection from %s: %s", remote, exc)
             await trio.aclose_forcefully(tcp)
             return
         except trio.TooSlowError:
-            logger.warning(
-                "rejected connection from %s: no authentication within %ss", remote, self.config.handshake_timeout
-            )
+            self._refuse("handshake_timeout")
+            logger.warning("rejected connection from %s: no authentication within %ss", remote, cfg.handshake_timeout)
             await trio.aclose_forcefully(tcp)
             return
         except (TransportError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._refuse("handshake_failed")
             logger.warning("rejected connection from %s: handshake failed: %s", remote, exc)
             await trio.aclose_forcefully(tcp)
             return
+        finally:
+            self._handshaking -= 1
+            left = self._handshaking_from.pop(host, 1) - 1
+            if left:
+                self._handshaking_from[host] = left
         connection = Connection(stream, client_side=False, peer_id=peer_id, config=self.config, handler=handler)
+        connection.refusals = self.refusals
         logger.debug("accepted peer %s from %s", peer_id, remote)
         self._inbound.add(connection)
         try:
@@ -166,7 +200,7 @@ class Transport:
         caller names a direct address for that peer.
         """
         connection = await self._connection(peer_id, address)
-        return await connection.open_stream(path, headers)
+        return await connection.open_stream(path, {**self.stream_headers, **(headers or {})})
 
     async def request(
         self,
@@ -270,6 +304,7 @@ class Transport:
             await _abort(tcp)
             raise
         connection = Connection(stream, client_side=True, peer_id=proven_id, config=self.config)
+        connection.refusals = self.refusals
         await self._nursery.start(connection.run)
         logger.debug("connected to peer %s at %s", proven_id, address)
         return connection

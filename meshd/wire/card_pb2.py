@@ -22,43 +22,45 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from meshd.wire import admission_pb2 as admission__pb2
+from meshd.wire import audit_pb2 as audit__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\ncard.proto\x12\nmeshd.wire\"]\n\x08Hardware\x12\x11\n\tram_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tcpu_count\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x04 \x01(\x04\"\xa2\x02\n\x0bModelServed\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\x10\n\x08n_layers\x18\x03 \x01(\r\x12\x13\n\x0brange_start\x18\x04 \x01(\r\x12\x11\n\trange_end\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_tok_s\x18\x06 \x01(\x02\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12\x13\n\x0blayer_bytes\x18\x08 \x01(\x04\x12\x12\n\nedge_bytes\x18\t \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x10\n\x08numerics\x18\x0b \x01(\t\x12\x13\n\x0bshard_error\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x14\n\x0cquantization\x18\x0e \x01(\t\"/\n\x04Load\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\"\x9c\x03\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x05 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\x06 \x01(\x04\x12\x11\n\taddresses\x18\x07 \x03(\t\x12\x17\n\x0frelay_addresses\x18\x08 \x03(\t\x12\x13\n\x0b\x61pi_address\x18\t \x01(\t\x12&\n\x08hardware\x18\n \x01(\x0b\x32\x14.meshd.wire.Hardware\x12\'\n\x06models\x18\x0b \x03(\x0b\x32\x17.meshd.wire.ModelServed\x12\x1e\n\x04load\x18\x0c \x01(\x0b\x32\x10.meshd.wire.Load\x12\x15\n\rkv_free_bytes\x18\r \x01(\x04\x12\x18\n\x10tracker_eligible\x18\x0e \x01(\x08\x12\x18\n\x10software_version\x18\x0f \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x10 \x01(\x04\"-\n\nSignedCard\x12\x0c\n\x04\x63\x61rd\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"n\n\x0cTrackerLease\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\x03 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x04 \x01(\x04\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\"/\n\x0bSignedLease\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"Y\n\x0cMemberDigest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.meshd.wire.MemberState\"\x93\x01\n\x08PushPull\x12%\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x16.meshd.wire.SignedCard\x12(\n\x06\x64igest\x18\x02 \x03(\x0b\x32\x18.meshd.wire.MemberDigest\x12\r\n\x05reply\x18\x03 \x01(\x08\x12\'\n\x06leases\x18\x04 \x03(\x0b\x32\x17.meshd.wire.SignedLease\"&\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tfrom_peer\x18\x02 \x01(\t\"%\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tfrom_peer\x18\x02 \x01(\t\">\n\x07PingReq\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btarget_peer\x18\x02 \x01(\t\x12\x11\n\tfrom_peer\x18\x03 \x01(\t\",\n\x05Leave\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\xcc\x02\n\rGossipMessage\x12)\n\tpush_pull\x18\x01 \x01(\x0b\x32\x14.meshd.wire.PushPullH\x00\x12 \n\x04ping\x18\x02 \x01(\x0b\x32\x10.meshd.wire.PingH\x00\x12\x1e\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x0f.meshd.wire.AckH\x00\x12\'\n\x08ping_req\x18\x04 \x01(\x0b\x32\x13.meshd.wire.PingReqH\x00\x12\"\n\x05leave\x18\x05 \x01(\x0b\x32\x11.meshd.wire.LeaveH\x00\x12)\n\x07updates\x18\n \x03(\x0b\x32\x18.meshd.wire.MemberDigest\x12%\n\x05\x63\x61rds\x18\x0b \x03(\x0b\x32\x16.meshd.wire.SignedCard\x12\'\n\x06leases\x18\x0c \x03(\x0b\x32\x17.meshd.wire.SignedLeaseB\x06\n\x04\x62ody*W\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41LIVE\x10\x01\x12\x0b\n\x07SUSPECT\x10\x02\x12\x08\n\x04\x44\x45\x41\x44\x10\x03\x12\x08\n\x04LEFT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\ncard.proto\x12\nmeshd.wire\x1a\x0f\x61\x64mission.proto\x1a\x0b\x61udit.proto\"]\n\x08Hardware\x12\x11\n\tram_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tcpu_count\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x04 \x01(\x04\"\xa2\x02\n\x0bModelServed\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\x10\n\x08n_layers\x18\x03 \x01(\r\x12\x13\n\x0brange_start\x18\x04 \x01(\r\x12\x11\n\trange_end\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_tok_s\x18\x06 \x01(\x02\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12\x13\n\x0blayer_bytes\x18\x08 \x01(\x04\x12\x12\n\nedge_bytes\x18\t \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x10\n\x08numerics\x18\x0b \x01(\t\x12\x13\n\x0bshard_error\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x14\n\x0cquantization\x18\x0e \x01(\t\"/\n\x04Load\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\"\xce\x03\n\x0e\x43\x61pabilityCard\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x05 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\x06 \x01(\x04\x12\x11\n\taddresses\x18\x07 \x03(\t\x12\x17\n\x0frelay_addresses\x18\x08 \x03(\t\x12\x13\n\x0b\x61pi_address\x18\t \x01(\t\x12&\n\x08hardware\x18\n \x01(\x0b\x32\x14.meshd.wire.Hardware\x12\'\n\x06models\x18\x0b \x03(\x0b\x32\x17.meshd.wire.ModelServed\x12\x1e\n\x04load\x18\x0c \x01(\x0b\x32\x10.meshd.wire.Load\x12\x15\n\rkv_free_bytes\x18\r \x01(\x04\x12\x18\n\x10tracker_eligible\x18\x0e \x01(\x08\x12\x18\n\x10software_version\x18\x0f \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x10 \x01(\x04\x12\x30\n\nmembership\x18\x11 \x01(\x0b\x32\x1c.meshd.wire.SignedMembership\"-\n\nSignedCard\x12\x0c\n\x04\x63\x61rd\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"n\n\x0cTrackerLease\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\x03 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x04 \x01(\x04\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\"/\n\x0bSignedLease\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"Y\n\x0cMemberDigest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.meshd.wire.MemberState\"\xf9\x01\n\x08PushPull\x12%\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\x16.meshd.wire.SignedCard\x12(\n\x06\x64igest\x18\x02 \x03(\x0b\x32\x18.meshd.wire.MemberDigest\x12\r\n\x05reply\x18\x03 \x01(\x08\x12\'\n\x06leases\x18\x04 \x03(\x0b\x32\x17.meshd.wire.SignedLease\x12\x31\n\x0brevocations\x18\x05 \x03(\x0b\x32\x1c.meshd.wire.SignedRevocation\x12\x31\n\x0b\x61\x63\x63usations\x18\x06 \x03(\x0b\x32\x1c.meshd.wire.SignedAccusation\"&\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tfrom_peer\x18\x02 \x01(\t\"%\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tfrom_peer\x18\x02 \x01(\t\">\n\x07PingReq\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btarget_peer\x18\x02 \x01(\t\x12\x11\n\tfrom_peer\x18\x03 \x01(\t\",\n\x05Leave\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\xcc\x02\n\rGossipMessage\x12)\n\tpush_pull\x18\x01 \x01(\x0b\x32\x14.meshd.wire.PushPullH\x00\x12 \n\x04ping\x18\x02 \x01(\x0b\x32\x10.meshd.wire.PingH\x00\x12\x1e\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x0f.meshd.wire.AckH\x00\x12\'\n\x08ping_req\x18\x04 \x01(\x0b\x32\x13.meshd.wire.PingReqH\x00\x12\"\n\x05leave\x18\x05 \x01(\x0b\x32\x11.meshd.wire.LeaveH\x00\x12)\n\x07updates\x18\n \x03(\x0b\x32\x18.meshd.wire.MemberDigest\x12%\n\x05\x63\x61rds\x18\x0b \x03(\x0b\x32\x16.meshd.wire.SignedCard\x12\'\n\x06leases\x18\x0c \x03(\x0b\x32\x17.meshd.wire.SignedLeaseB\x06\n\x04\x62ody*W\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41LIVE\x10\x01\x12\x0b\n\x07SUSPECT\x10\x02\x12\x08\n\x04\x44\x45\x41\x44\x10\x03\x12\x08\n\x04LEFT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'card_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERSTATE']._serialized_start=1851
-  _globals['_MEMBERSTATE']._serialized_end=1938
-  _globals['_HARDWARE']._serialized_start=26
-  _globals['_HARDWARE']._serialized_end=119
-  _globals['_MODELSERVED']._serialized_start=122
-  _globals['_MODELSERVED']._serialized_end=412
-  _globals['_LOAD']._serialized_start=414
-  _globals['_LOAD']._serialized_end=461
-  _globals['_CAPABILITYCARD']._serialized_start=464
-  _globals['_CAPABILITYCARD']._serialized_end=876
-  _globals['_SIGNEDCARD']._serialized_start=878
-  _globals['_SIGNEDCARD']._serialized_end=923
-  _globals['_TRACKERLEASE']._serialized_start=925
-  _globals['_TRACKERLEASE']._serialized_end=1035
-  _globals['_SIGNEDLEASE']._serialized_start=1037
-  _globals['_SIGNEDLEASE']._serialized_end=1084
-  _globals['_MEMBERDIGEST']._serialized_start=1086
-  _globals['_MEMBERDIGEST']._serialized_end=1175
-  _globals['_PUSHPULL']._serialized_start=1178
-  _globals['_PUSHPULL']._serialized_end=1325
-  _globals['_PING']._serialized_start=1327
-  _globals['_PING']._serialized_end=1365
-  _globals['_ACK']._serialized_start=1367
-  _globals['_ACK']._serialized_end=1404
-  _globals['_PINGREQ']._serialized_start=1406
-  _globals['_PINGREQ']._serialized_end=1468
-  _globals['_LEAVE']._serialized_start=1470
-  _globals['_LEAVE']._serialized_end=1514
-  _globals['_GOSSIPMESSAGE']._serialized_start=1517
-  _globals['_GOSSIPMESSAGE']._serialized_end=1849
+  _globals['_MEMBERSTATE']._serialized_start=2033
+  _globals['_MEMBERSTATE']._serialized_end=2120
+  _globals['_HARDWARE']._serialized_start=56
+  _globals['_HARDWARE']._serialized_end=149
+  _globals['_MODELSERVED']._serialized_start=152
+  _globals['_MODELSERVED']._serialized_end=442
+  _globals['_LOAD']._serialized_start=444
+  _globals['_LOAD']._serialized_end=491
+  _globals['_CAPABILITYCARD']._serialized_start=494
+  _globals['_CAPABILITYCARD']._serialized_end=956
+  _globals['_SIGNEDCARD']._serialized_start=958
+  _globals['_SIGNEDCARD']._serialized_end=1003
+  _globals['_TRACKERLEASE']._serialized_start=1005
+  _globals['_TRACKERLEASE']._serialized_end=1115
+  _globals['_SIGNEDLEASE']._serialized_start=1117
+  _globals['_SIGNEDLEASE']._serialized_end=1164
+  _globals['_MEMBERDIGEST']._serialized_start=1166
+  _globals['_MEMBERDIGEST']._serialized_end=1255
+  _globals['_PUSHPULL']._serialized_start=1258
+  _globals['_PUSHPULL']._serialized_end=1507
+  _globals['_PING']._serialized_start=1509
+  _globals['_PING']._serialized_end=1547
+  _globals['_ACK']._serialized_start=1549
+  _globals['_ACK']._serialized_end=1586
+  _globals['_PINGREQ']._serialized_start=1588
+  _globals['_PINGREQ']._serialized_end=1650
+  _globals['_LEAVE']._serialized_start=1652
+  _globals['_LEAVE']._serialized_end=1696
+  _globals['_GOSSIPMESSAGE']._serialized_start=1699
+  _globals['_GOSSIPMESSAGE']._serialized_end=2031
 # @@protoc_insertion_point(module_scope)

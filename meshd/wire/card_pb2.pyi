@@ -1,3 +1,5 @@
+from meshd.wire import admission_pb2 as _admission_pb2
+from meshd.wire import audit_pb2 as _audit_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -73,7 +75,7 @@ class Load(_message.Message):
     def __init__(self, active_sessions: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("peer_id", "public_key", "name", "sequence", "issued_at_ms", "expires_at_ms", "addresses", "relay_addresses", "api_address", "hardware", "models", "load", "kv_free_bytes", "tracker_eligible", "software_version", "memory_budget_bytes")
+    __slots__ = ("peer_id", "public_key", "name", "sequence", "issued_at_ms", "expires_at_ms", "addresses", "relay_addresses", "api_address", "hardware", "models", "load", "kv_free_bytes", "tracker_eligible", "software_version", "memory_budget_bytes", "membership")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class CapabilityCard(_message.Message):
     TRACKER_ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     name: str
@@ -106,7 +109,8 @@ class CapabilityCard(_message.Message):
     tracker_eligible: bool
     software_version: str
     memory_budget_bytes: int
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., name: _Optional[str] = ..., sequence: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., relay_addresses: _Optional[_Iterable[str]] = ..., api_address: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServed, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., kv_free_bytes: _Optional[int] = ..., tracker_eligible: _Optional[bool] = ..., software_version: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    membership: _admission_pb2.SignedMembership
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., name: _Optional[str] = ..., sequence: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., relay_addresses: _Optional[_Iterable[str]] = ..., api_address: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServed, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., kv_free_bytes: _Optional[int] = ..., tracker_eligible: _Optional[bool] = ..., software_version: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., membership: _Optional[_Union[_admission_pb2.SignedMembership, _Mapping]] = ...) -> None: ...
 
 class SignedCard(_message.Message):
     __slots__ = ("card", "signature")
@@ -149,16 +153,20 @@ class MemberDigest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., sequence: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ...) -> None: ...
 
 class PushPull(_message.Message):
-    __slots__ = ("cards", "digest", "reply", "leases")
+    __slots__ = ("cards", "digest", "reply", "leases", "revocations", "accusations")
     CARDS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCUSATIONS_FIELD_NUMBER: _ClassVar[int]
     cards: _containers.RepeatedCompositeFieldContainer[SignedCard]
     digest: _containers.RepeatedCompositeFieldContainer[MemberDigest]
     reply: bool
     leases: _containers.RepeatedCompositeFieldContainer[SignedLease]
-    def __init__(self, cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., digest: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., reply: _Optional[bool] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ...) -> None: ...
+    revocations: _containers.RepeatedCompositeFieldContainer[_admission_pb2.SignedRevocation]
+    accusations: _containers.RepeatedCompositeFieldContainer[_audit_pb2.SignedAccusation]
+    def __init__(self, cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., digest: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., reply: _Optional[bool] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_admission_pb2.SignedRevocation, _Mapping]]] = ..., accusations: _Optional[_Iterable[_Union[_audit_pb2.SignedAccusation, _Mapping]]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq", "from_peer")

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from meshd.wire import admission_pb2 as admission__pb2
 from meshd.wire import card_pb2 as card__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\trpc.proto\x12\nmeshd.wire\x1a\ncard.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"b\n\x0cRouteRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x02 \x03(\t\x12\x0c\n\x04keep\x18\x03 \x03(\t\x12\r\n\x05\x61void\x18\x04 \x03(\t\x12\x12\n\ncompat_key\x18\x05 \x01(\t\"\x81\x01\n\x08RouteHop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seam_ms\x18\x05 \x01(\x01\x12\x0e\n\x06hop_ms\x18\x06 \x01(\x01\x12\x13\n\x0bload_factor\x18\x07 \x01(\x01\"v\n\nRouteReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12\"\n\x04hops\x18\x05 \x03(\x0b\x32\x14.meshd.wire.RouteHop\"D\n\x07NoRoute\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\'\n\x07missing\x18\x02 \x03(\x0b\x32\x16.meshd.wire.LayerRange\"]\n\x0ePlacementOrder\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12%\n\x05range\x18\x03 \x01(\x0b\x32\x16.meshd.wire.LayerRange\"\n\n\x08\x41\x63\x63\x65pted\"9\n\x11ModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"\xac\x01\n\nModelFiles\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.meshd.wire.ModelFiles.FilesEntry\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\x12\x10\n\x08numerics\x18\x04 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x0fManifestRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"Z\n\x0cTensorRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x03(\x0c\"<\n\x0fWeightsManifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.meshd.wire.TensorRecord\"A\n\x0c\x43hunkRequest\x12\x12\n\ncompat_key\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x0f\x44ialbackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\rDialbackReply\x12\x10\n\x08\x64ialable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x08RpcError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe1\x02\n\x0bPeerRequest\x12+\n\x06gossip\x18\x01 \x01(\x0b\x32\x19.meshd.wire.GossipMessageH\x00\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.meshd.wire.RouteRequestH\x00\x12/\n\tplacement\x18\x03 \x01(\x0b\x32\x1a.meshd.wire.PlacementOrderH\x00\x12\x34\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x1d.meshd.wire.ModelFilesRequestH\x00\x12/\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x1b.meshd.wire.DialbackRequestH\x00\x12/\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.meshd.wire.ManifestRequestH\x00\x12)\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x18.meshd.wire.ChunkRequestH\x00\x42\x06\n\x04\x62ody\"\xef\x02\n\tPeerReply\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.meshd.wire.AcceptedH\x00\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.meshd.wire.RouteReplyH\x00\x12\'\n\x08no_route\x18\x03 \x01(\x0b\x32\x13.meshd.wire.NoRouteH\x00\x12-\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x16.meshd.wire.ModelFilesH\x00\x12-\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x19.meshd.wire.DialbackReplyH\x00\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.meshd.wire.RpcErrorH\x00\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1b.meshd.wire.WeightsManifestH\x00\x12(\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x17.meshd.wire.TensorChunkH\x00\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\trpc.proto\x12\nmeshd.wire\x1a\x0f\x61\x64mission.proto\x1a\ncard.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"b\n\x0cRouteRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x02 \x03(\t\x12\x0c\n\x04keep\x18\x03 \x03(\t\x12\r\n\x05\x61void\x18\x04 \x03(\t\x12\x12\n\ncompat_key\x18\x05 \x01(\t\"\x81\x01\n\x08RouteHop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seam_ms\x18\x05 \x01(\x01\x12\x0e\n\x06hop_ms\x18\x06 \x01(\x01\x12\x13\n\x0bload_factor\x18\x07 \x01(\x01\"v\n\nRouteReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12\"\n\x04hops\x18\x05 \x03(\x0b\x32\x14.meshd.wire.RouteHop\"D\n\x07NoRoute\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\'\n\x07missing\x18\x02 \x03(\x0b\x32\x16.meshd.wire.LayerRange\"]\n\x0ePlacementOrder\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12%\n\x05range\x18\x03 \x01(\x0b\x32\x16.meshd.wire.LayerRange\"\n\n\x08\x41\x63\x63\x65pted\"9\n\x11ModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"\xac\x01\n\nModelFiles\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.meshd.wire.ModelFiles.FilesEntry\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\x12\x10\n\x08numerics\x18\x04 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x0fManifestRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"Z\n\x0cTensorRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x03(\x0c\"<\n\x0fWeightsManifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.meshd.wire.TensorRecord\"A\n\x0c\x43hunkRequest\x12\x12\n\ncompat_key\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x0f\x44ialbackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\rDialbackReply\x12\x10\n\x08\x64ialable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x08RpcError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8a\x03\n\x0bPeerRequest\x12+\n\x06gossip\x18\x01 \x01(\x0b\x32\x19.meshd.wire.GossipMessageH\x00\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.meshd.wire.RouteRequestH\x00\x12/\n\tplacement\x18\x03 \x01(\x0b\x32\x1a.meshd.wire.PlacementOrderH\x00\x12\x34\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x1d.meshd.wire.ModelFilesRequestH\x00\x12/\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x1b.meshd.wire.DialbackRequestH\x00\x12/\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.meshd.wire.ManifestRequestH\x00\x12)\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x18.meshd.wire.ChunkRequestH\x00\x12\'\n\x04join\x18\x08 \x01(\x0b\x32\x17.meshd.wire.JoinRequestH\x00\x42\x06\n\x04\x62ody\"\x98\x03\n\tPeerReply\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.meshd.wire.AcceptedH\x00\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.meshd.wire.RouteReplyH\x00\x12\'\n\x08no_route\x18\x03 \x01(\x0b\x32\x13.meshd.wire.NoRouteH\x00\x12-\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x16.meshd.wire.ModelFilesH\x00\x12-\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x19.meshd.wire.DialbackReplyH\x00\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.meshd.wire.RpcErrorH\x00\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1b.meshd.wire.WeightsManifestH\x00\x12(\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x17.meshd.wire.TensorChunkH\x00\x12\'\n\x06joined\x18\t \x01(\x0b\x32\x15.meshd.wire.JoinReplyH\x00\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,44 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELFILES_FILESENTRY']._loaded_options = None
   _globals['_MODELFILES_FILESENTRY']._serialized_options = b'8\001'
-  _globals['_LAYERRANGE']._serialized_start=37
-  _globals['_LAYERRANGE']._serialized_end=77
-  _globals['_ROUTEREQUEST']._serialized_start=79
-  _globals['_ROUTEREQUEST']._serialized_end=177
-  _globals['_ROUTEHOP']._serialized_start=180
-  _globals['_ROUTEHOP']._serialized_end=309
-  _globals['_ROUTEREPLY']._serialized_start=311
-  _globals['_ROUTEREPLY']._serialized_end=429
-  _globals['_NOROUTE']._serialized_start=431
-  _globals['_NOROUTE']._serialized_end=499
-  _globals['_PLACEMENTORDER']._serialized_start=501
-  _globals['_PLACEMENTORDER']._serialized_end=594
-  _globals['_ACCEPTED']._serialized_start=596
-  _globals['_ACCEPTED']._serialized_end=606
-  _globals['_MODELFILESREQUEST']._serialized_start=608
-  _globals['_MODELFILESREQUEST']._serialized_end=665
-  _globals['_MODELFILES']._serialized_start=668
-  _globals['_MODELFILES']._serialized_end=840
-  _globals['_MODELFILES_FILESENTRY']._serialized_start=796
-  _globals['_MODELFILES_FILESENTRY']._serialized_end=840
-  _globals['_MANIFESTREQUEST']._serialized_start=842
-  _globals['_MANIFESTREQUEST']._serialized_end=897
-  _globals['_TENSORRECORD']._serialized_start=899
-  _globals['_TENSORRECORD']._serialized_end=989
-  _globals['_WEIGHTSMANIFEST']._serialized_start=991
-  _globals['_WEIGHTSMANIFEST']._serialized_end=1051
-  _globals['_CHUNKREQUEST']._serialized_start=1053
-  _globals['_CHUNKREQUEST']._serialized_end=1118
-  _globals['_TENSORCHUNK']._serialized_start=1120
-  _globals['_TENSORCHUNK']._serialized_end=1147
-  _globals['_DIALBACKREQUEST']._serialized_start=1149
-  _globals['_DIALBACKREQUEST']._serialized_end=1183
-  _globals['_DIALBACKREPLY']._serialized_start=1185
-  _globals['_DIALBACKREPLY']._serialized_end=1233
-  _globals['_RPCERROR']._serialized_start=1235
-  _globals['_RPCERROR']._serialized_end=1276
-  _globals['_PEERREQUEST']._serialized_start=1279
-  _globals['_PEERREQUEST']._serialized_end=1632
-  _globals['_PEERREPLY']._serialized_start=1635
-  _globals['_PEERREPLY']._serialized_end=2002
+  _globals['_LAYERRANGE']._serialized_start=54
+  _globals['_LAYERRANGE']._serialized_end=94
+  _globals['_ROUTEREQUEST']._serialized_start=96
+  _globals['_ROUTEREQUEST']._serialized_end=194
+  _globals['_ROUTEHOP']._serialized_start=197
+  _globals['_ROUTEHOP']._serialized_end=326
+  _globals['_ROUTEREPLY']._serialized_start=328
+  _globals['_ROUTEREPLY']._serialized_end=446
+  _globals['_NOROUTE']._serialized_start=448
+  _globals['_NOROUTE']._serialized_end=516
+  _globals['_PLACEMENTORDER']._serialized_start=518
+  _globals['_PLACEMENTORDER']._serialized_end=611
+  _globals['_ACCEPTED']._serialized_start=613
+  _globals['_ACCEPTED']._serialized_end=623
+  _globals['_MODELFILESREQUEST']._serialized_start=625
+  _globals['_MODELFILESREQUEST']._serialized_end=682
+  _globals['_MODELFILES']._serialized_start=685
+  _globals['_MODELFILES']._serialized_end=857
+  _globals['_MODELFILES_FILESENTRY']._serialized_start=813
+  _globals['_MODELFILES_FILESENTRY']._serialized_end=857
+  _globals['_MANIFESTREQUEST']._serialized_start=859
+  _globals['_MANIFESTREQUEST']._serialized_end=914
+  _globals['_TENSORRECORD']._serialized_start=916
+  _globals['_TENSORRECORD']._serialized_end=1006
+  _globals['_WEIGHTSMANIFEST']._serialized_start=1008
+  _globals['_WEIGHTSMANIFEST']._serialized_end=1068
+  _globals['_CHUNKREQUEST']._serialized_start=1070
+  _globals['_CHUNKREQUEST']._serialized_end=1135
+  _globals['_TENSORCHUNK']._serialized_start=1137
+  _globals['_TENSORCHUNK']._serialized_end=1164
+  _globals['_DIALBACKREQUEST']._serialized_start=1166
+  _globals['_DIALBACKREQUEST']._serialized_end=1200
+  _globals['_DIALBACKREPLY']._serialized_start=1202
+  _globals['_DIALBACKREPLY']._serialized_end=1250
+  _globals['_RPCERROR']._serialized_start=1252
+  _globals['_RPCERROR']._serialized_end=1293
+  _globals['_PEERREQUEST']._serialized_start=1296
+  _globals['_PEERREQUEST']._serialized_end=1690
+  _globals['_PEERREPLY']._serialized_start=1693
+  _globals['_PEERREPLY']._serialized_end=2101
 # @@protoc_insertion_point(module_scope)

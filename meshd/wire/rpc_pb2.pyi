@@ -1,3 +1,4 @@
+from meshd.wire import admission_pb2 as _admission_pb2
 from meshd.wire import card_pb2 as _card_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -177,7 +178,7 @@ class RpcError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PeerRequest(_message.Message):
-    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk")
+    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk", "join")
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +186,7 @@ class PeerRequest(_message.Message):
     DIALBACK_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     gossip: _card_pb2.GossipMessage
     route: RouteRequest
     placement: PlacementOrder
@@ -192,10 +194,11 @@ class PeerRequest(_message.Message):
     dialback: DialbackRequest
     manifest: ManifestRequest
     chunk: ChunkRequest
-    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ...) -> None: ...
+    join: _admission_pb2.JoinRequest
+    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk")
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +207,7 @@ class PeerReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     route: RouteReply
     no_route: NoRoute
@@ -212,4 +216,5 @@ class PeerReply(_message.Message):
     error: RpcError
     manifest: WeightsManifest
     chunk: TensorChunk
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    joined: _admission_pb2.JoinReply
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ...) -> None: ...

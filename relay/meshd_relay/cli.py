@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message", dest="max_message_bytes", metavar="SIZE", help="largest WebSocket message")
     p.add_argument("--allow-peer", dest="allow_peers", action="append", metavar="PEER_ID",
                    help="only these peers may register (repeatable)")
+    p.add_argument("--mesh-key", metavar="HEX",
+                   help="serve one private mesh: only peers showing its membership may register (the admission "
+                   "key's 64 hex characters, from `meshctl status` on a member)")
     p.add_argument("--log-level", choices=LOG_LEVELS,
                    help="least severe records logged (default info)")
     p.add_argument("--log-format", choices=LOG_FORMATS,

@@ -29,6 +29,8 @@ class RelayConfig:
     accept_timeout_s: float = setting(10.0, "seconds a registered peer has to pick up a circuit")
     max_message_bytes: int = setting(256 * 1024, "largest WebSocket message accepted from anyone")
     allow_peers: list[str] = setting_list("peer ids allowed to register; empty: anyone")
+    mesh_key: str = setting("", "serve one private mesh: only its members may register (its admission key in hex, "
+                            "as `meshctl status` shows it); empty: any peer")
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("json", "json (one object per line) or text")
     ready_file: Path | None = setting(None, "write the bound ports as JSON here once listening (for scripts)")
@@ -45,6 +47,8 @@ class RelayConfig:
             raise ValueError("bandwidth_burst_bytes must hold at least one message of max_message_bytes")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
+        if self.mesh_key and (len(self.mesh_key) != 64 or any(c not in "0123456789abcdef" for c in self.mesh_key)):
+            raise ValueError("mesh_key is the 64 hex characters of a mesh's admission key (meshctl status)")
         if self.log_format not in FORMATS:
             raise ValueError(f"log_format is one of {', '.join(FORMATS)}, not {self.log_format!r}")
         if self.log_level not in LEVELS:
@@ -55,6 +59,7 @@ _CONVERTERS: dict[str, Any] = {
     "listen": lambda v: str(Address.parse(v)), "metrics": lambda v: str(Address.parse(v)) if v else "",
     "bandwidth_bytes_per_s": parse_size, "bandwidth_burst_bytes": parse_size, "max_message_bytes": parse_size,
     "ready_file": lambda v: Path(v) if v else None,
+    "mesh_key": lambda v: str(v).strip().lower(),
     "allow_peers": lambda v: [p.strip() for p in (v.split(",") if isinstance(v, str) else v) if p.strip()],
 }
 

@@ -22,10 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
+from google.protobuf.message import DecodeError
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from meshd.address import Address
+from meshd.admission.records import check_membership
 from meshd.api.openai_server import serve_asgi, start_listener
+from meshd.errors import MeshError
 from meshd.files import write_atomically
 from meshd.limits import TokenBucket
 from meshd.transport.relay import (
@@ -34,6 +37,7 @@ from meshd.transport.relay import (
     DIAL_PREFIX,
     REGISTER_PATH,
     Reason,
+    Registration,
     RelayRejected,
     challenge_message,
     incoming_message,
@@ -43,6 +47,7 @@ from meshd.transport.relay import (
     read_registration,
     registered_message,
 )
+from meshd.wire.admission_pb2 import SignedMembership
 from meshd_relay.config import RelayConfig
 from meshd_relay.metrics import RelayMetrics
 
@@ -187,6 +192,9 @@ class RelayServer:
         peer_id = registration.peer_id
         if self._allow and peer_id not in self._allow:
             await self._refuse(ws, Reason.NOT_ALLOWED, peer=peer_id, remote=remote)
+            return
+        if cfg.mesh_key and not _is_member(registration, bytes.fromhex(cfg.mesh_key)):
+            await self._refuse(ws, Reason.NOT_MEMBER, peer=peer_id, remote=remote)
             return
         if peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
             await self._refuse(ws, Reason.RELAY_FULL, peer=peer_id, remote=remote)
@@ -341,6 +349,16 @@ class RelayServer:
             with trio.move_on_after(1):
                 await ws.aclose(code, text)
         return reason_text, moved
+
+
+def _is_member(registration: Registration, mesh_key: bytes) -> bool:
+    signed = SignedMembership()
+    try:
+        signed.ParseFromString(registration.membership)
+        check_membership(signed, mesh_key, registration.peer_id)
+    except (DecodeError, MeshError):
+        return False
+    return True
 
 
 def _event(level: str, message: str, **fields: object) -> None:

@@ -1,0 +1,69 @@
+"""Audits without IO: judging replays, the book's exclusions, signed accusations."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd.audit.book import GUILTY_TO_EXCLUDE, AuditBook
+from meshd.audit.records import BadAccusation, check_accusation, sign_accusation
+from meshd.audit.verdict import Outcome, Replay, judge
+from meshd.identity import Identity
+
+
+def replay(peers: str, tokens: tuple[int, ...]) -> Replay:
+    return Replay(frozenset(peers), tokens)
+
+
+GOOD, BAD, OTHER = (1, 2, 3), (9, 9, 9), (7, 7, 7)
+
+
+def test_two_agreeing_routes_convict_the_one_peer_only_the_third_route_has():
+    verdict = judge([replay("AB", BAD), replay("AC", GOOD), replay("AD", GOOD)])
+    assert verdict.outcome == Outcome.GUILTY and verdict.culprit == "B"
+    assert verdict.expected == GOOD and verdict.got == BAD and verdict.cleared == frozenset("ACD")
+    assert judge([replay("AC", GOOD), replay("AB", BAD), replay("AD", GOOD)]).culprit == "B"  # any order
+
+
+def test_an_audit_that_cannot_tell_who_lied_convicts_nobody():
+    assert judge([replay("AB", BAD), replay("AC", GOOD)]).outcome == Outcome.INCONCLUSIVE  # two: either one
+    assert judge([replay("AB", BAD), replay("AC", GOOD), replay("AD", OTHER)]).outcome == Outcome.INCONCLUSIVE
+    # the odd route differs in two peers: which one?
+    assert judge([replay("XY", BAD), replay("AC", GOOD), replay("AD", GOOD)]).outcome == Outcome.INCONCLUSIVE
+    # the agreeing routes share a peer the odd one lacks: it may be their liar
+    assert judge([replay("AB", GOOD), replay("CD", BAD), replay("CE", BAD)]).outcome == Outcome.INCONCLUSIVE
+    consistent = judge([replay("AB", GOOD), replay("AC", GOOD), replay("AD", GOOD)])
+    assert consistent.outcome == Outcome.CONSISTENT and consistent.cleared == frozenset("ABCD")
+
+
+def test_a_peer_is_excluded_after_repeated_guilt_and_accusations_alone_do_nothing():
+    book = AuditBook("A")
+    guilty = judge([replay("AB", BAD), replay("AC", GOOD), replay("AD", GOOD)])
+    for n in range(GUILTY_TO_EXCLUDE - 1):
+        assert book.record(guilty, float(n)) is None
+    assert book.of("B")["state"] == "suspect"  # type: ignore[index]
+    assert book.record(guilty, 9.0) == "B"
+    assert book.excluded() == frozenset("B") and book.of("B")["state"] == "excluded"  # type: ignore[index]
+    assert book.of("C")["passed"] == GUILTY_TO_EXCLUDE  # type: ignore[index]
+    liar = Identity.generate()
+    signed = sign_accusation(liar, "C", "m", "k", [1, 2], [3], [4], 0)
+    assert book.heard(liar.peer_id, "C", signed) and not book.heard(liar.peer_id, "C", signed)
+    book.unconfirmed("C")
+    assert not book.is_excluded("C")
+    assert book.of("C")["state"] == "accused" and book.of("C")["unconfirmed_accusations"] == 1  # type: ignore[index]
+    assert signed in book.accusations()
+
+
+def test_accusations_are_checked_before_they_count():
+    accuser = Identity.generate()
+    signed = sign_accusation(accuser, "victim", "tiny", "key", [5, 6, 7], [1], [2], 123)
+    record = check_accusation(signed)
+    assert (record.accuser, record.accused, list(record.prompt)) == (accuser.peer_id, "victim", [5, 6, 7])
+    forged = type(signed)(accusation=signed.accusation, signature=Identity.generate().sign(signed.accusation))
+    with pytest.raises(BadAccusation, match="not signed"):
+        check_accusation(forged)
+    with pytest.raises(BadAccusation, match="no audit"):
+        check_accusation(sign_accusation(accuser, "victim", "tiny", "key", [], [1], [2], 0))
+    with pytest.raises(BadAccusation, match="no other peer"):
+        check_accusation(sign_accusation(accuser, accuser.peer_id, "tiny", "key", [1], [1], [2], 0))
+    with pytest.raises(BadAccusation):
+        check_accusation(type(signed)(accusation=b"\xff\xff", signature=b""))
