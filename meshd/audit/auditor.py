@@ -41,7 +41,8 @@ AUDIT_WORDS = (
     "mirror", "shadow", "cotton", "marble", "ladder", "compass",
 )
 PROMPT_WORDS = 12
-MAX_RUNNING = 2  # audits at once; more are skipped (they are samples)
+MAX_RUNNING = 2  # audits at once; more samples are skipped, more accusations wait
+MAX_WAITING = 16  # accusations waiting to be checked; beyond it the oldest is dropped unchecked
 REPLAY_TIMEOUT_S = 60.0
 
 
@@ -60,6 +61,7 @@ class Auditor:
         self.rng = rng or random.Random()
         self.running = 0
         self._checking: set[str] = set()  # accused peers being checked now
+        self._waiting: dict[str, pb.Accusation] = {}  # accused -> the accusation to check, oldest first
 
     # -- sampling requests -------------------------------------------------------------------------
 
@@ -83,6 +85,7 @@ class Auditor:
                 log.info("audit not finished: %s", exc)
             finally:
                 self.running -= 1
+                self._next_accusation()
 
         self.nursery.start_soon(run)
 
@@ -101,8 +104,22 @@ class Auditor:
                     record.accuser[:12], record.accused[:12], record.model_id)
         if self.book.is_excluded(record.accused) or record.accused in self._checking:
             return
-        self._checking.add(record.accused)
-        self._start(self._audit, record.model_id, record.compat_key, record.accused, list(record.prompt), record)
+        self._waiting.pop(record.accused, None)
+        self._waiting[record.accused] = record
+        while len(self._waiting) > MAX_WAITING:
+            dropped = self._waiting.pop(next(iter(self._waiting)))
+            log.warning("too many accusations to check; the one of %s is dropped unchecked", dropped.accused[:12])
+        self._next_accusation()
+
+    def _next_accusation(self) -> None:
+        """Check the oldest waiting accusation, if an audit may start: each costs three replays, so a
+        flood of accusations costs at most MAX_RUNNING audits at a time."""
+        while self._waiting and self.running < MAX_RUNNING:
+            record = self._waiting.pop(next(iter(self._waiting)))
+            if self.book.is_excluded(record.accused) or record.accused in self._checking:
+                continue
+            self._checking.add(record.accused)
+            self._start(self._audit, record.model_id, record.compat_key, record.accused, list(record.prompt), record)
 
     # -- one audit ---------------------------------------------------------------------------------
 
