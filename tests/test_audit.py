@@ -67,3 +67,34 @@ def test_accusations_are_checked_before_they_count():
         check_accusation(sign_accusation(accuser, accuser.peer_id, "tiny", "key", [1], [1], [2], 0))
     with pytest.raises(BadAccusation):
         check_accusation(type(signed)(accusation=b"\xff\xff", signature=b""))
+
+
+async def test_a_flood_of_accusations_runs_at_most_two_audits_at_once(nursery):
+    import trio
+
+    from meshd.audit.auditor import MAX_RUNNING, MAX_WAITING, Auditor
+
+    peak = 0
+
+    class Offers:  # no rivals anywhere: each audit finds nothing to compare, after a moment's work
+        def offers(self) -> list:
+            nonlocal peak
+            peak = max(peak, auditor.running)
+            return []
+
+    class Routes:
+        view = Offers()
+
+    me = Identity.generate()
+    book = AuditBook(me.peer_id)
+    auditor = Auditor(me, None, Routes(), book, None, nursery, rate=0.0, tokens=4)  # type: ignore[arg-type]
+    liar = Identity.generate()
+    for n in range(40):
+        auditor.on_accusation(sign_accusation(liar, f"peer{n}", "tiny", "key", [1, 2], [3], [4], n))
+    assert auditor.running <= MAX_RUNNING and len(auditor._waiting) <= MAX_WAITING
+    with trio.fail_after(5):
+        while auditor.running or auditor._waiting:
+            await trio.sleep(0.01)
+    assert peak <= MAX_RUNNING
+    checked = sum(1 for n in range(40) if (book.of(f"peer{n}") or {}).get("unconfirmed_accusations"))
+    assert MAX_WAITING <= checked < 40  # the oldest waiting beyond the queue were dropped unchecked

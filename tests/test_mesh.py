@@ -422,6 +422,8 @@ def test_the_status_page_shows_the_mesh_in_a_real_browser(mesh):
     rows = re.findall(r'<tr data-peer="([a-z0-9]+)"', dom.stdout)
     peers = {p.peer_id for p in mesh.peers}
     assert len(rows) >= 3 and set(rows) == peers, (rows, dom.stdout[-3000:])
+    cells = [row.count("<td") for row in re.findall(r'<tr data-peer="[a-z0-9]+">(.*?)</tr>', dom.stdout)]
+    assert cells == [10] * len(rows), cells  # through the audit column
     start = dom.stdout.find('<div class="model" data-model="tiny">')
     assert start >= 0, dom.stdout[-3000:]
     tiny = dom.stdout[start:dom.stdout.index("<h2>Live sessions", start)]
