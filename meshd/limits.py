@@ -1,7 +1,25 @@
 """Rates with a burst, per peer, as a pure state machine (time is passed in): the relay's bandwidth
-per registered peer, and the requests a peer answers from each other peer."""
+per registered peer, the requests a peer answers from each other peer, the sessions it lets each
+open. And the one way state kept per peer stays bounded: the least recently used entry goes first.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Hashable, MutableMapping
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def remember(entries: MutableMapping[K, V], key: K, value: V, capacity: int) -> V:
+    """Store ``value`` under ``key`` as the most recently used entry (a dict keeps insertion order),
+    dropping the least recently used ones beyond ``capacity``; returns ``value``."""
+    entries.pop(key, None)
+    entries[key] = value
+    while len(entries) > capacity:
+        del entries[next(iter(entries))]
+    return value
 
 
 class TokenBucket:
@@ -29,3 +47,19 @@ class TokenBucket:
             return None
         self.tokens = after
         return delay
+
+
+class KeyedRates:
+    """One :class:`TokenBucket` per key (a peer, or a peer and a kind of request), at most
+    ``capacity`` of them: a key not heard from for longest is forgotten first, and starts afresh."""
+
+    def __init__(self, rate: float, burst: float, capacity: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.capacity = capacity
+        self._buckets: dict[Hashable, TokenBucket] = {}
+
+    def allow(self, key: Hashable, now: float) -> bool:
+        """Whether one more event of ``key`` fits its rate now (and count it if so)."""
+        bucket = self._buckets.get(key) or TokenBucket(self.rate, self.burst, 0.0, now)
+        return remember(self._buckets, key, bucket, self.capacity).take(1, now) == 0.0

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from meshd.admission.records import NotMember, check_membership, check_revocation, mesh_id
 from meshd.cards.card import STORE_CAPACITY, CardRejected, RejectReason
 from meshd.errors import MeshError
+from meshd.limits import remember
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import card_pb2 as cpb
 
@@ -46,18 +47,12 @@ class MeshGate:
     def is_revoked(self, peer_id: str) -> bool:
         return peer_id in self._revoked
 
-    def _remember(self, peer_id: str) -> None:
-        self._members.pop(peer_id, None)
-        self._members[peer_id] = None
-        while len(self._members) > STORE_CAPACITY:
-            del self._members[next(iter(self._members))]
-
     def check_credential(self, peer_id: str, signed: apb.SignedMembership) -> None:
         """Admit ``peer_id`` on ``signed``, or raise :class:`NotMember`."""
         if peer_id in self._revoked:
             raise NotMember(f"{peer_id[:12]} was revoked from mesh {self.mesh_id}")
         check_membership(signed, self.mesh_key, peer_id)
-        self._remember(peer_id)
+        remember(self._members, peer_id, None, STORE_CAPACITY)
 
     def header(self) -> dict[str, str]:
         """The stream header that shows this peer's credential (none while it has none)."""

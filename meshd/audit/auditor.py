@@ -24,6 +24,7 @@ from meshd.audit.records import BadAccusation, check_accusation, sign_accusation
 from meshd.audit.verdict import Outcome, Replay, Verdict, judge
 from meshd.errors import MeshError
 from meshd.identity import Identity
+from meshd.limits import remember
 from meshd.models.text import TextCodec
 from meshd.session.entry import EntrySessions, Generation, PlannedRoute
 from meshd.session.routes import RouteClient
@@ -104,11 +105,10 @@ class Auditor:
                     record.accuser[:12], record.accused[:12], record.model_id)
         if self.book.is_excluded(record.accused) or record.accused in self._checking:
             return
-        self._waiting.pop(record.accused, None)
-        self._waiting[record.accused] = record
-        while len(self._waiting) > MAX_WAITING:
-            dropped = self._waiting.pop(next(iter(self._waiting)))
-            log.warning("too many accusations to check; the one of %s is dropped unchecked", dropped.accused[:12])
+        if len(self._waiting) >= MAX_WAITING and record.accused not in self._waiting:
+            log.warning("too many accusations to check; the oldest, of %s, is dropped unchecked",
+                        next(iter(self._waiting))[:12])
+        remember(self._waiting, record.accused, record, MAX_WAITING)
         self._next_accusation()
 
     def _next_accusation(self) -> None:

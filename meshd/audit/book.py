@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshd.audit.verdict import Outcome, Verdict
+from meshd.limits import remember
 from meshd.wire import audit_pb2 as pb
 
 GUILTY_TO_EXCLUDE = 2
@@ -41,11 +42,7 @@ class AuditBook:
     _accusations: dict[tuple[str, str], pb.SignedAccusation] = field(default_factory=dict)  # (accuser, accused)
 
     def _record(self, peer_id: str) -> PeerRecord:
-        record = self._peers.pop(peer_id, None) or PeerRecord()
-        self._peers[peer_id] = record  # most recently touched last; the oldest go first
-        while len(self._peers) > MAX_TRACKED:
-            del self._peers[next(iter(self._peers))]
-        return record
+        return remember(self._peers, peer_id, self._peers.get(peer_id) or PeerRecord(), MAX_TRACKED)
 
     def record(self, verdict: Verdict, now: float) -> str | None:
         """Take an audit's verdict; the peer it newly excludes, if any."""
@@ -67,9 +64,7 @@ class AuditBook:
         key = (accuser, accused)
         if key in self._accusations or accused == self.self_id:
             return False
-        self._accusations[key] = signed
-        while len(self._accusations) > MAX_ACCUSATIONS:
-            del self._accusations[next(iter(self._accusations))]
+        remember(self._accusations, key, signed, MAX_ACCUSATIONS)
         self._record(accused).accused_by.add(accuser)
         return True
 

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from meshd.errors import ErrorCode, MeshError
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
+from meshd.limits import remember
 from meshd.wire import card_pb2 as pb
 
 STORE_CAPACITY = 10_000
@@ -163,11 +164,8 @@ class CardStore:
         """Drop a peer's card, remembering its sequence (or ``floor`` if higher) as the replay floor."""
         card = self._cards.pop(peer_id, None)
         marks = [s for s in (card.sequence if card else None, floor, self._floor.get(peer_id)) if s is not None]
-        if marks:
-            self._floor.pop(peer_id, None)
-            self._floor[peer_id] = max(marks)
-            while len(self._floor) > self.capacity:  # the oldest floors go first (their cards have expired since)
-                del self._floor[next(iter(self._floor))]
+        if marks:  # the oldest floors go first beyond the capacity (their cards have expired since)
+            remember(self._floor, peer_id, max(marks), self.capacity)
         return card
 
     def sweep(self, now_ms: int) -> list[str]:

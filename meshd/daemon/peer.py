@@ -10,21 +10,20 @@ runs the generations this peer's API receives; reachability keeps relays and dia
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import trio
 
 from meshd import __version__
 from meshd.address import Address
-from meshd.admission import Membership
+from meshd.admission import Membership, NotMember
 from meshd.admission.gate import MEMBERSHIP_HEADER
 from meshd.api.openai_server import build_app, serve_asgi, start_listener
 from meshd.audit.auditor import Auditor
@@ -244,27 +243,26 @@ class Peer:
             await stream.reset()
             return
         gate = self.membership.gate
-        headers = getattr(stream, "headers", None) or {}
+        # a member already, or a stream showing a valid credential (which makes it one)
+        member = gate is None or gate.admit_stream(stream.peer_id,
+                                                   (getattr(stream, "headers", None) or {}).get(MEMBERSHIP_HEADER))
         if stream.path == RPC_PATH:  # the router asks per kind (joining is for anyone); outsiders send little
-            member = gate is None or gate.admit_stream(stream.peer_id, headers.get(MEMBERSHIP_HEADER))
             stream.limit_messages(MAX_REQUEST_BYTES if member else MAX_OUTSIDER_REQUEST_BYTES)
-        elif gate is not None and not gate.admit_stream(stream.peer_id, headers.get(MEMBERSHIP_HEADER)):
-            with contextlib.suppress(MeshError):
-                gate.require(stream.peer_id, stream.path)  # counts it
-            log.warning("%s stream from %s refused: not a member of mesh %s", stream.path, stream.peer_id[:12],
-                        gate.mesh_id)
+        elif not member and gate is not None:  # a session stream: members only
+            try:
+                gate.require(stream.peer_id, stream.path)
+            except NotMember as exc:
+                log.warning("%s stream refused: %s", stream.path, exc)
             self._count_refusal(stream.path, "not_member")
             await stream.reset()
             return
         await handler(stream)
 
-    def _admit_request(self, sender: str, kind: str, body: object, headers: dict[str, str]) -> None:
-        """Raise unless ``sender`` may make this request: in a private mesh only members may, except
-        to join it with an invite."""
+    def _admit_request(self, sender: str, kind: str) -> None:
+        """Raise unless ``sender`` may make this request: in a private mesh only members may (the
+        stream's credential was checked when it opened), except to join it with an invite."""
         gate = self.membership.gate
-        if gate is None or kind == "join":
-            return
-        if not gate.admit_stream(sender, headers.get(MEMBERSHIP_HEADER)):
+        if gate is not None and kind != "join":
             gate.require(sender, kind)
 
     def _count_refusal(self, kind: str, code: str) -> None:
@@ -370,14 +368,14 @@ class Peer:
                 if not cfg.advertise:
                     self.bound.advertise = self.bound.listen
                 async with trio.open_nursery() as sessions:
-                    self.entry = EntrySessions(self.peer_id, self.transport, self.routes, EntryConfig(
-                        chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
-                        request_timeout_s=cfg.request_timeout_s,
-                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s)), sessions,
-                        metrics=self.metrics)
-                    replays = EntrySessions(self.peer_id, self.transport, self.routes, EntryConfig(
-                        chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
-                        request_timeout_s=cfg.request_timeout_s, repair=RepairConfig(attempts=0)), sessions)
+                    entry = EntryConfig(chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
+                                        request_timeout_s=cfg.request_timeout_s,
+                                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s))
+                    self.entry = EntrySessions(self.peer_id, self.transport, self.routes, entry, sessions,
+                                               metrics=self.metrics)
+                    # audit replays run on exactly the route they are given: no repair
+                    replays = EntrySessions(self.peer_id, self.transport, self.routes,
+                                            replace(entry, repair=RepairConfig(attempts=0)), sessions)
                     self.auditor = Auditor(self.identity, replays, self.routes, self.audits, self._codec_for, sessions,
                                            rate=cfg.audit_rate, tokens=cfg.audit_tokens)
                     self.control.on_accusation = self.auditor.on_accusation

@@ -42,6 +42,7 @@ from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectRe
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
 from meshd.gossip.events import AccusationHeard, Action, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.identity import Identity
+from meshd.limits import remember
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import audit_pb2 as aupb
 from meshd.wire import card_pb2 as pb
@@ -467,10 +468,7 @@ class GossipNode:
         floor = self.store.known_sequence(peer_id)
         if address is None or floor is None:
             return
-        self._floor_told.pop(peer_id, None)
-        self._floor_told[peer_id] = now + self.config.probe_interval
-        while len(self._floor_told) > self.store.capacity:
-            del self._floor_told[next(iter(self._floor_told))]
+        remember(self._floor_told, peer_id, now + self.config.probe_interval, self.store.capacity)
         m = self._members.get(peer_id)
         state = m.state if m is not None and m.state in _GONE else MemberState.DEAD
         digest = pb.MemberDigest(peer_id=peer_id, sequence=floor, state=state.wire)
@@ -609,9 +607,7 @@ class GossipNode:
         for signed in pp.accusations[:ACCUSATIONS_TAKEN]:
             raw = signed.SerializeToString()
             if raw not in self._accusations_seen:  # the same ones come on every push-pull
-                self._accusations_seen[raw] = None
-                while len(self._accusations_seen) > ACCUSATIONS_REMEMBERED:
-                    del self._accusations_seen[next(iter(self._accusations_seen))]
+                remember(self._accusations_seen, raw, None, ACCUSATIONS_REMEMBERED)
                 actions.append(AccusationHeard(signed))
         if not pp.reply:
             reply = pb.PushPull(reply=True, cards=self._cards_lacking(list(pp.digest)), digest=self._digest(),

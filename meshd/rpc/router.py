@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from meshd.address import Address
 from meshd.errors import ErrorCode, MeshError, RemoteError
-from meshd.limits import TokenBucket
+from meshd.limits import KeyedRates
 from meshd.transport.errors import TransportError
 from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import rpc_pb2 as pb
@@ -46,9 +46,8 @@ MAX_OUTSIDER_REQUEST_BYTES = 64 * 1024  # from a peer not (yet) admitted to a pr
 
 Handler = Callable[[str, Any], Awaitable[Message]]
 """``handler(sender peer id, request body) -> reply body`` (a message that fits ``PeerReply.body``)."""
-Admit = Callable[[str, str, Any, dict[str, str]], None]
-"""``admit(sender, kind, body, stream headers)`` raises a :class:`MeshError` when the sender may not
-ask this at all."""
+Admit = Callable[[str, str], None]
+"""``admit(sender, kind)`` raises a :class:`MeshError` when the sender may not ask this at all."""
 
 _REPLY_FIELDS = {field.message_type.full_name: field.name
                  for field in pb.PeerReply.DESCRIPTOR.oneofs_by_name["body"].fields if field.message_type is not None}
@@ -87,22 +86,12 @@ class RpcRouter:
         self.rate_limited: dict[str, int] = {}
         self.limits = RATE_LIMITS if limits is None else limits
         self.clock = clock
-        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._rates = {kind: KeyedRates(rate, burst, MAX_SENDERS) for kind, (rate, burst) in self.limits.items()}
         self._in_flight: dict[str, int] = {}
 
     def _allowed(self, sender: str, kind: str) -> bool:
-        limit = self.limits.get(kind)
-        if limit is None:
-            return True
-        now = self.clock()
-        key = (sender, kind)
-        bucket = self._buckets.pop(key, None)  # re-inserted last: the dict stays in order of last use
-        if bucket is None:
-            bucket = TokenBucket(limit[0], limit[1], 0.0, now)
-            while len(self._buckets) >= MAX_SENDERS * len(self.limits):
-                del self._buckets[next(iter(self._buckets))]
-        self._buckets[key] = bucket
-        return bucket.take(1, now) == 0.0
+        rates = self._rates.get(kind)
+        return rates is None or rates.allow(sender, self.clock())
 
     def register(self, kind: str, handler: Handler) -> None:
         if kind not in REQUEST_KINDS:
@@ -111,8 +100,7 @@ class RpcRouter:
             raise ValueError(f"a handler for {kind!r} is already registered")
         self._handlers[kind] = handler
 
-    async def dispatch(self, sender: str, request: pb.PeerRequest,
-                       headers: dict[str, str] | None = None) -> pb.PeerReply:
+    async def dispatch(self, sender: str, request: pb.PeerRequest) -> pb.PeerReply:
         """The reply to one request; never raises for anything the request or its handler did."""
         kind = request.WhichOneof("body")
         handler = self._handlers.get(kind) if kind is not None else None
@@ -126,7 +114,7 @@ class RpcRouter:
         body = getattr(request, kind)
         try:
             if self.admit is not None:
-                self.admit(sender, kind, body, headers or {})
+                self.admit(sender, kind)
             reply = reply_of(await handler(sender, body))
         except MeshError as exc:
             log.info("%s request from %s refused: %s", kind, sender[:12], exc)
@@ -175,7 +163,7 @@ class RpcRouter:
                 except DecodeError:
                     reply = error_reply(ErrorCode.BAD_REQUEST, "the request does not parse as a PeerRequest")
                 else:
-                    reply = await self.dispatch(stream.peer_id, request, getattr(stream, "headers", None))
+                    reply = await self.dispatch(stream.peer_id, request)
                 await stream.send_message(reply.SerializeToString())
                 await stream.end()
                 return

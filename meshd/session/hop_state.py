@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshd.errors import BundleError, ErrorCode, MeshError, RangeMismatch
-from meshd.limits import TokenBucket
+from meshd.limits import KeyedRates, remember
 from meshd.runtime.kv import SessionKey
 from meshd.runtime.shard import HIDDEN_STATES, StepResult
 from meshd.wire import session_pb2 as pb
@@ -164,7 +164,7 @@ class HopBook:
     _reserved: dict[SessionKey, int] = field(default_factory=dict)
     _retained: dict[SessionKey, float] = field(default_factory=dict)  # key -> kept until (clock time)
     _outputs: dict[SessionKey, OutputCache] = field(default_factory=dict)
-    _opens: dict[str, TokenBucket] = field(default_factory=dict)  # by upstream peer, least recent first
+    _opens: KeyedRates | None = None  # by upstream peer, made with the limits
     _opened_by: dict[SessionKey, str] = field(default_factory=dict)  # the upstream peer of each session
     _last_open: dict[str, float] = field(default_factory=dict)  # upstream peer -> when it last asked
 
@@ -209,14 +209,14 @@ class HopBook:
         if self.leaving:
             raise Refused(ErrorCode.LEAVING, "this peer is leaving the mesh and takes no new sessions")
         if opener and self.limits.opens_per_s > 0:
-            bucket = self._opens.pop(opener, None) or TokenBucket(self.limits.opens_per_s,
-                                                                  max(1.0, float(self.limits.max_sessions)), 0.0, now)
-            self._opens[opener] = bucket
-            while len(self._opens) > MAX_OPENERS:
-                del self._opens[next(iter(self._opens))]
-            if bucket.take(1, now) != 0.0:
+            if self._opens is None:
+                self._opens = KeyedRates(self.limits.opens_per_s, max(1.0, float(self.limits.max_sessions)),
+                                         MAX_OPENERS)
+            if not self._opens.allow(opener, now):
                 raise Refused(ErrorCode.RATE_LIMITED, f"{opener[:12]} opens sessions faster than "
                               f"{self.limits.opens_per_s:g} a second")
+        if opener:
+            remember(self._last_open, opener, now, MAX_OPENERS)
         if len(self._reserved) >= self.limits.max_sessions:
             raise Refused(ErrorCode.OVERLOADED,
                           f"{len(self._reserved)} sessions running (limit {self.limits.max_sessions})")
@@ -241,10 +241,6 @@ class HopBook:
         """Whether one more session from ``opener`` would crowd others out: while other upstream peers
         use this hop too (they asked within :data:`SHARING_WINDOW_S`) and fewer than a quarter of the
         sessions are free, no upstream peer may hold more than half of them. A peer alone may use all."""
-        self._last_open.pop(opener, None)
-        self._last_open[opener] = now
-        while len(self._last_open) > MAX_OPENERS:
-            del self._last_open[next(iter(self._last_open))]
         limit = self.limits.max_sessions
         if limit - len(self._reserved) >= max(1, limit // 4):
             return False
