@@ -65,6 +65,8 @@ class PeerMetrics:
                                      "code (rate_limited, not_member ...)", ["kind", "code"], registry=r)
         self.gossip = Counter("meshd_gossip_messages", "Gossip messages, by direction", ["direction"], registry=r)
         self.tracker_changes = Counter("meshd_tracker_changes", "Times this peer saw the tracker change", registry=r)
+        self.speed_checks = Counter("meshd_speed_checks", "Speed checks of peers' card claims, by verdict (met, "
+                                    "demoted, unanswered)", ["verdict"], registry=r)
         self.events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)  # for the status page
 
     def event(self, kind: str, **fields: Any) -> None:

@@ -13,7 +13,7 @@ from meshd.admission import InviteRefused, Membership, MeshGate, NotAdmitter, No
 from meshd.admission.gate import MEMBERSHIP_HEADER
 from meshd.admission.records import check_invite, sign_invite, sign_membership, sign_revocation
 from meshd.cards.card import CardIssuer, CardRejected, CardStore, RejectReason
-from meshd.gossip import GossipConfig, GossipNode
+from meshd.gossip import GossipConfig, GossipNode, Send
 from meshd.identity import Identity
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import card_pb2 as cpb
@@ -134,9 +134,14 @@ def test_a_revocation_spreads_by_push_pull_and_drops_the_peer_everywhere():
     a.revoke(sign_revocation(MESH_KEY, bob.peer_id, int(now * 1000)), now)
     assert bob.peer_id not in a.live_cards()
     request = a._push_pull_request()
-    assert len(request.push_pull.revocations) == 1
-    c.on_message(alice.peer_id, request, now)
+    assert not request.push_pull.revocations  # the request carries their hash; c's differs, so
+    replies = [x.message for x in c.on_message(alice.peer_id, request, now) if isinstance(x, Send)]
+    finish = [x.message for x in a.on_message(carol.peer_id, replies[0], now) if isinstance(x, Send)]
+    assert [len(m.push_pull.revocations) for m in finish] == [1]  # a sends its own once it knows
+    c.on_message(alice.peer_id, finish[0], now)
     assert c.gate is not None and c.gate.is_revoked(bob.peer_id)
+    agreed = [x.message for x in c.on_message(alice.peer_id, a._push_pull_request(), now) if isinstance(x, Send)]
+    assert not agreed[0].push_pull.revocations  # now they agree: nothing more moves
     c.on_card(b.store.get(b.self_id).signed, now)  # bob's card, still circulating: refused
     assert bob.peer_id not in c.live_cards()
     assert c.rejected_cards[RejectReason.REVOKED] == 1

@@ -206,8 +206,9 @@ class CardIssuer:
         self.ttl_ms = ttl_ms
         self.sequence = sequence
 
-    def issue(self, now_ms: int, at_least: int = 0) -> pb.SignedCard:
-        """Sign a new card whose sequence beats both our last one and ``at_least``."""
+    def issue(self, now_ms: int, at_least: int = 0, ttl_ms: int | None = None) -> pb.SignedCard:
+        """Sign a new card whose sequence beats both our last one and ``at_least``; it lives
+        ``ttl_ms`` (default: the issuer's)."""
         self.sequence = max(self.sequence, at_least) + 1
         card = pb.CapabilityCard()
         card.CopyFrom(self.template)
@@ -215,5 +216,5 @@ class CardIssuer:
         card.public_key = self.public_key
         card.sequence = self.sequence
         card.issued_at_ms = now_ms
-        card.expires_at_ms = now_ms + self.ttl_ms
+        card.expires_at_ms = now_ms + (self.ttl_ms if ttl_ms is None else ttl_ms)
         return sign_card(card, self.identity)

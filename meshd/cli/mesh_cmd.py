@@ -104,7 +104,8 @@ def _cmd_peers(args: argparse.Namespace) -> int:
             ",".join(p.get("addresses") or []) or "-", _reach(p), "tracker" if p.get("tracker") else "peer",
             p.get("state", "-"), models, f"{p.get('active_sessions', 0)}/{p.get('queued', 0)}",
             "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}ms",
-            _age(p.get("last_seen_s")), _age(p.get("card_age_s")), _audit(p.get("audit")),
+            _age(p.get("last_seen_s")), _age(p.get("card_age_s")),
+            "DEMOTED" if p.get("demoted") else _audit(p.get("audit")),
         ])
     print_table(rows, ["PEER", "NAME", "ADDRESSES", "REACH", "ROLE", "STATE", "MODEL[RANGE]", "LOAD", "RTT",
                         "LAST SEEN", "CARD AGE", "AUDIT"])

@@ -74,6 +74,9 @@ class PeerConfig:
     pushpull_interval_s: float = setting(0.5, "seconds between full card exchanges with a random peer")
     lease_duration_s: float = setting(3.0, "seconds a tracker lease lasts unless renewed")
     card_ttl_s: float = setting(30.0, "seconds a capability card lives unless its peer re-issues it")
+    card_budget: int = setting(2048, "bytes per second of capability cards from the whole mesh, which is what each "
+                               "peer receives: in a large mesh a peer re-issues its card only every peers x card "
+                               "size / card_budget seconds (load shown in cards ages accordingly), e.g. \"2KiB\"")
     step_timeout_s: float = setting(30.0, "a hop that sends nothing for this many seconds has failed")
     request_timeout_s: float = setting(600.0, "a whole request's deadline in seconds")
     repair_attempts: int = setting(5, "routes tried for one generation before giving up")
@@ -101,7 +104,7 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.audit_rate <= 1:
             raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
-        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens"):
+        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold", "session_opens_per_s"):
@@ -135,7 +138,7 @@ _CONVERTERS: dict[str, Any] = {
     "listen": _address, "advertise": _address, "api": _address, "control": _address, "metrics": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
-    "memory_budget": parse_size, "kv_budget": parse_size, "bootstrap": _addresses,
+    "memory_budget": parse_size, "kv_budget": parse_size, "card_budget": parse_size, "bootstrap": _addresses,
     "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
     "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),

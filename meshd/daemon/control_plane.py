@@ -48,7 +48,8 @@ class NotTracker(MeshError):
 
 def gossip_config(config: PeerConfig) -> GossipConfig:
     return GossipConfig(probe_interval=config.probe_interval_s, probe_timeout=config.probe_timeout_s,
-                        suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s)
+                        suspect_timeout=config.suspect_timeout_s, pushpull_interval=config.pushpull_interval_s,
+                        card_budget=config.card_budget)
 
 
 def election_config(config: PeerConfig) -> ElectionConfig:
@@ -95,7 +96,7 @@ class ControlCore:
             if isinstance(action, LeaseReceived):
                 out += self.settle(self.election.on_lease(action.signed, now), now)
             elif isinstance(action, BroadcastLease):
-                self.gossip.publish_lease(action.signed, now)
+                out += self.settle(self.gossip.publish_lease(action.signed, now), now)
             else:
                 out.append(action)
         return out

@@ -28,6 +28,7 @@ from meshd.admission.gate import MEMBERSHIP_HEADER
 from meshd.api.openai_server import build_app, serve_asgi, start_listener
 from meshd.audit.auditor import Auditor
 from meshd.audit.book import AuditBook
+from meshd.audit.speed import SpeedChecks
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
@@ -47,7 +48,7 @@ from meshd.rpc.router import MAX_OUTSIDER_REQUEST_BYTES, MAX_REQUEST_BYTES
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
-from meshd.runtime.served_model import PlacementRefused, ServedModel
+from meshd.runtime.served_model import CheckRefused, PlacementRefused, ServedModel
 from meshd.session import messages as seam
 from meshd.session.entry import EntryConfig, EntrySessions
 from meshd.session.hop import HopService
@@ -120,8 +121,11 @@ class Peer:
             self.control.gossip.admit_with(self.membership.gate)
         self.audits = AuditBook(self.peer_id)
         self.control.gossip.accusations = self.audits.accusations
+        self.speed = SpeedChecks(self.control.view, self.transport,
+                                 on_verdict=lambda verdict: self.metrics.speed_checks.labels(verdict).inc())
         self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties,
-                                  excluded=self.audits.excluded)
+                                  excluded=self.audits.excluded, avoided=self.speed.avoided,
+                                  on_route=self.speed.on_route)
         self.auditor: Auditor | None = None  # once running: it needs the sessions nursery
         self.files = ModelFilesCache(config.data_dir, self.served.info if self.served else None, self.transport)
         self.weights = WeightsSource()
@@ -140,6 +144,7 @@ class Peer:
         self.rpc.register("dialback", self.reachability.serve_dialback)
         self.rpc.register("manifest", self.weights.serve_manifest)
         self.rpc.register("chunk", self.weights.serve_chunk)
+        self.rpc.register("speed_check", self._on_speed_check)
         self._streams: dict[str, StreamHandler] = {
             seam.SEAM_PATH: self.hops.handle_seam,
             seam.RESULTS_PATH: self.hops.handle_results,
@@ -281,6 +286,11 @@ class Peer:
             self._nursery.start_soon(self.served.load, *layers)
         return rpb.Accepted()
 
+    async def _on_speed_check(self, sender: str, check: rpb.SpeedCheck) -> rpb.SpeedChecked:
+        if self.served is None:
+            raise CheckRefused("this peer offers no model")
+        return await self.served.serve_speed_check(sender, check)
+
     async def _codec_for(self, model_id: str, compat_key: str) -> TextCodec:
         return await self.files.codec_for(model_id, compat_key, self.control.view.sources_of)
 
@@ -402,6 +412,7 @@ class Peer:
                         nursery.start_soon(self._join_model, self.joining)
                     await nursery.start(self.control.run, self._on_tick)
                     await nursery.start(self.hops.run)
+                    await nursery.start(self.speed.run)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
                     log.info("peer %s listening on %s, API on %s, control on %s, metrics on %s", self.peer_id,
                              self.bound.advertise, self.bound.api, self.bound.control, self.bound.metrics or "-")

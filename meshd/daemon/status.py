@@ -57,7 +57,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
     view = control.view
     tracker = control.election.tracker(now)
     members = control.gossip.members()
-    demoted = view.demoted()
+    demoted = peer.speed.demoted() | view.demoted()
     rows = []
     for peer_id, card in sorted(view.cards().items()):
         rows.append({
@@ -76,7 +76,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
             "rtt_ms": None if peer_id == peer.peer_id else view.rtt_ms.get(peer_id),
             "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
             "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
-            "audit": peer.audits.of(peer_id), "demoted": demoted.get(peer_id),
+            "audit": peer.audits.of(peer_id), "demoted": demoted.get(peer_id), "speed": peer.speed.of(peer_id),
         })
     return rows
 

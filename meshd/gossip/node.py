@@ -12,9 +12,13 @@ SWIM incarnation, and since only the peer can sign its card, nobody else can ref
 
 Dissemination. State changes and new cards ride on every outgoing message ("piggyback"), each
 about ``retransmit_mult * ceil(log10(n + 1))`` times; every ``pushpull_interval`` the node also
-swaps digests with ``fanout`` random members and sends each side the cards the other lacks
-(anti-entropy), which repairs whatever piggybacking missed. Leases travel the same way; in a
-private mesh the latest revocations ride on push-pulls, and a revoked peer is dropped as if it had
+compares bucket summaries of its digest with ``fanout`` random members (:mod:`~meshd.gossip.summary`)
+and sends each side the cards the other lacks in the buckets that differ (anti-entropy), which
+repairs whatever piggybacking missed. A peer issues its own card at most every :meth:`card_gap`,
+which grows with the mesh, so the bytes a peer sends and receives per second stay bounded
+however many peers there are. Leases travel the same way; in a
+private mesh the latest revocations ride on push-pulls (between peers whose latest differ: see the
+PushPull message), and a revoked peer is dropped as if it had
 left (its cards are refused from then on by the :class:`~meshd.admission.gate.MeshGate`).
 
 Time to DEAD everywhere. Each period a live target is probed by every other member in turn, so
@@ -40,7 +44,9 @@ from typing import TYPE_CHECKING
 from meshd.address import Address, AddressError
 from meshd.cards.card import Card, CardIssuer, CardRejected, CardStore, RejectReason, peek_peer_id, verify_card
 from meshd.election.lease import Lease, LeaseRejected, verify_lease
+from meshd.gossip import summary
 from meshd.gossip.events import AccusationHeard, Action, LeaseReceived, MemberChanged, MemberState, Send
+from meshd.gossip.summary import SummaryCache, bucket_count_for
 from meshd.identity import Identity
 from meshd.limits import remember
 from meshd.wire import admission_pb2 as apb
@@ -66,6 +72,8 @@ class GossipConfig:
     fanout: int = 1
     retransmit_mult: int = 4
     max_piggyback: int = 8
+    push_fanout: int = 2  # members news (a lease, a death, a refutation) is passed on to at once
+    card_budget: float = 2048.0  # bytes per second of new cards from the whole mesh (see card_gap)
     seed_retry_interval: float = 2.0
     tombstone_retention: float = 300.0  # how long DEAD/LEFT peers stay in the digest
     reconnect_interval: float = 5.0  # between push-pulls with a peer declared dead: heals partitions
@@ -73,6 +81,8 @@ class GossipConfig:
     def __post_init__(self) -> None:
         if not 0 < self.probe_timeout < self.probe_interval:
             raise ValueError("probe_timeout must be positive and shorter than probe_interval")
+        if self.card_budget <= 0:
+            raise ValueError("card_budget must be positive")
         if self.indirect_probes < 0 or self.fanout < 1 or self.max_piggyback < 0:
             raise ValueError("indirect_probes >= 0, fanout >= 1 and max_piggyback >= 0 required")
 
@@ -123,6 +133,7 @@ _GONE = (MemberState.DEAD, MemberState.LEFT)
 VERIFIED_LEASES_KEPT = 64
 MAX_SEQUENCE = 2**62  # claims about our own sequence above this are ignored: a card's sequence is a uint64
 LEASES_SENT = 3  # the best leases held ride on every message (one, unless several peers claim at once)
+CARD_BURST = 4  # own cards that may go out in a row before the gap paces them
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
 
 
@@ -164,6 +175,11 @@ class GossipNode:
         self.accusations: Callable[[], list[aupb.SignedAccusation]] = list
         self._accusations_seen: dict[bytes, None] = {}
         self._floor_told: dict[str, float] = {}  # peers told their floor, until when not again
+        self._summaries = SummaryCache()
+        self._issued_at = 0.0  # when this peer last issued its own card
+        self._changed = False  # the template changed since: a card is due once the gap has passed
+        self._own_size = 0
+        self._issue_credit = float(CARD_BURST)  # issues allowed at once, as of _issued_at (see _allowance)
 
     def admit_with(self, gate: MeshGate) -> None:
         """Make this a private mesh's node: cards enter only with a valid credential."""
@@ -221,13 +237,17 @@ class GossipNode:
         return actions
 
     def republish(self, now: float) -> None:
-        """Issue a fresh own card after the host changed ``issuer.template`` (ranges, load, addresses)."""
+        """Issue a fresh own card after the host changed ``issuer.template`` (ranges, load, addresses):
+        at once, or when :meth:`card_gap` has passed since the last one."""
         if self.issuer is not None and not self._left:
-            self._issue_own(now)
+            self._changed = True
+            self._refresh_own_card(now)
 
-    def publish_lease(self, signed: pb.SignedLease, now: float) -> None:
+    def publish_lease(self, signed: pb.SignedLease, now: float) -> list[Action]:
         """Spread a lease issued by this peer's election."""
-        self._merge_lease(signed, now, [], report=False)
+        actions: list[Action] = []
+        self._merge_lease(signed, now, actions, report=False)
+        return actions
 
     def revoke(self, signed: apb.SignedRevocation, now: float) -> list[Action]:
         """A revocation signed by the mesh's admission key: the peer it names is dropped as left."""
@@ -262,8 +282,10 @@ class GossipNode:
     def on_message(self, sender: str, msg: pb.GossipMessage, now: float) -> list[Action]:
         """Handle one message; ``sender`` is the peer id the transport authenticated."""
         actions: list[Action] = []
-        self._merge_all(msg.cards, msg.updates, msg.leases, now, actions, sender)
         body = msg.WhichOneof("body")
+        if body == "push_pull":  # before any card: a revoked peer's card is refused, not taken and dropped
+            self._merge_revocations(msg.push_pull.revocations, now, actions)
+        self._merge_all(msg.cards, msg.updates, msg.leases, now, actions, sender)
         if body == "ping":
             ack = pb.Ack(seq=msg.ping.seq, from_peer=self.self_id)
             actions.append(self._send(sender, pb.GossipMessage(ack=ack)))
@@ -292,6 +314,7 @@ class GossipNode:
             if peer_id != self.self_id and held is not None and held.state not in _GONE:
                 self._set_state(peer_id, MemberState.DEAD, held.incarnation, now, actions)
         self._run_probe(now, actions)
+        forgotten = False
         for peer_id in list(self._timed):
             m = self._members[peer_id]
             if m.state == MemberState.SUSPECT and now >= m.since + self.config.suspect_timeout:
@@ -300,6 +323,9 @@ class GossipNode:
                 del self._members[peer_id]
                 self._timed.discard(peer_id)
                 self._last_address.pop(peer_id, None)
+                forgotten = True
+        if forgotten:
+            self._summaries.forget([self.self_id, *self._members])
         for seq in [s for s, r in self._relays.items() if now >= r.started + self.config.probe_interval]:
             del self._relays[seq]
         now_ms = _ms(now)
@@ -355,6 +381,7 @@ class GossipNode:
                 target = self._members.get(probe.target)
                 if target is not None and target.state == MemberState.ALIVE:
                     self._set_state(probe.target, MemberState.SUSPECT, target.incarnation, now, actions)
+                    actions.append(self._send(probe.target, pb.GossipMessage()))  # carries the suspicion
         if self._probe is None and now >= self._next_probe_at:
             target_id = self._next_target()
             if target_id is not None:
@@ -418,6 +445,10 @@ class GossipNode:
             self._enqueue(peer_id, digest=pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=state.wire))
         if old != state:
             actions.append(MemberChanged(peer_id, old, state))
+            if state in _GONE or old == MemberState.SUSPECT:
+                # a death or a refutation; not a join (a mesh's worth at once would be a storm), nor a
+                # suspicion: the suspect is told directly by the peer whose probe failed
+                self._push_news(actions)
 
     def _merge_all(self, cards: Iterable[pb.SignedCard], digests: Iterable[pb.MemberDigest],
                    leases: Iterable[pb.SignedLease], now: float, actions: list[Action], sender: str = "") -> None:
@@ -498,6 +529,7 @@ class GossipNode:
             if (self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence
                     and digest.sequence < MAX_SEQUENCE):  # beyond it we could never refute again
                 self._issue_own(now, at_least=digest.sequence)
+                self._push_news(actions)
             return
         m = self._members.get(digest.peer_id)
         if m is None:
@@ -536,23 +568,61 @@ class GossipNode:
         if held is not None and (lease.term, lease.expires_at_ms) <= (held.term, held.expires_at_ms):
             return
         self._leases[lease.peer_id] = lease
+        self._push_news(actions)
         if report:
             actions.append(LeaseReceived(lease.signed))
 
+    def _push_news(self, actions: list[Action]) -> None:
+        """Pass news straight on to ``push_fanout`` random members, in a message of nothing but its
+        piggyback (the newest broadcasts) and the leases: a lease newer than any held, a death, a
+        refutation. Each peer does so once per piece of news, so it reaches a mesh of n
+        peers in about log2(n) one-way latencies rather than log2(n) gossip periods. A large mesh
+        needs that: a lease renewal must beat the lease it renews to every peer, and a refutation
+        must beat ``suspect_timeout`` to every peer that heard the suspicion."""
+        targets = self._probeable()
+        for peer_id in self.rng.sample(targets, min(self.config.push_fanout, len(targets))):
+            actions.append(self._send(peer_id, pb.GossipMessage()))
+
     # -- own card ------------------------------------------------------------------------------
 
+    def card_gap(self) -> float:
+        """Least seconds between two cards of this peer's own accord. Every peer receives every card,
+        so the mesh's card bytes per second are what each peer pays: with ``n`` peers, each issuing
+        one card of ``size`` bytes every ``n * size / card_budget`` seconds keeps that bounded however
+        large the mesh grows. Refutations are never held back."""
+        return (len(self._members) + 1) * self._own_size / self.config.card_budget
+
     def _refresh_own_card(self, now: float) -> None:
+        """Re-issue before the card runs out (half its life), or a change held back by the gap. A
+        few changes in a row go out at once (a starting peer's range, addresses and membership), as
+        long as the peer has been quiet for a gap per card before them."""
         if self.issuer is None:
             return
         own = self.store.get(self.self_id)
-        if own is None or own.expires_at_ms - _ms(now) < self.issuer.ttl_ms // 2:
+        if own is None:
+            self._issue_own(now)
+            return
+        gap = self.card_gap()
+        lifetime_s = (own.expires_at_ms - own.card.issued_at_ms) / 1000
+        due = self._issued_at + min(max(self.issuer.ttl_ms / 2000, gap), lifetime_s / 2)
+        if now >= due or (self._changed and self._allowance(now, gap) >= 1.0):
             self._issue_own(now)
 
+    def _allowance(self, now: float, gap: float) -> float:
+        """Cards this peer may issue now of its own accord: one per gap since the last, up to a few."""
+        if gap <= 0:
+            return CARD_BURST
+        return min(CARD_BURST, self._issue_credit + (now - self._issued_at) / gap)
+
     def _issue_own(self, now: float, at_least: int = 0) -> None:
-        """Sign a newer card; it refutes any suspicion about an older sequence."""
+        """Sign a newer card; it refutes any suspicion about an older sequence. It lives at least
+        twice the gap, so that the next refresh comes in its first half."""
         assert self.issuer is not None
-        signed = self.issuer.issue(_ms(now), at_least=at_least)
+        ttl_ms = max(self.issuer.ttl_ms, int(2000 * self.card_gap()))
+        signed = self.issuer.issue(_ms(now), at_least=at_least, ttl_ms=ttl_ms)
         self.store.accept(signed, _ms(now))
+        self._issue_credit = max(0.0, self._allowance(now, self.card_gap()) - 1.0)
+        self._issued_at, self._changed, self._own_size = now, False, signed.ByteSize()
         self._enqueue(self.self_id, card=signed)
 
     # -- dissemination -------------------------------------------------------------------------
@@ -561,17 +631,19 @@ class GossipNode:
         return self.config.retransmit_mult * max(1, math.ceil(math.log10(len(self._members) + 2)))
 
     def _enqueue(self, key: str, digest: pb.MemberDigest | None = None, card: pb.SignedCard | None = None) -> None:
+        self._queue.pop(key, None)  # to the end: the newest goes first among equals
         self._queue[key] = _Broadcast(self._retransmits(), digest=digest, card=card)
 
     def _send(self, to: str | Address, body: pb.GossipMessage) -> Send:
         """Wrap a message with the best tracker leases held and as many pending broadcasts as fit,
-        least-sent first. The leases ride on every message rather than taking turns with the
+        least-sent and then newest first (a refutation must not wait behind a
+        backlog of old news). The leases ride on every message rather than taking turns with the
         broadcasts: a renewal must reach every peer before the lease it renews runs out, in a large
         mesh too."""
         message = pb.GossipMessage()
         message.CopyFrom(body)
         message.leases.extend(lease.signed for lease in sorted(self._leases.values(), key=Lease.rank)[:LEASES_SENT])
-        chosen = sorted(self._queue.items(), key=lambda item: -item[1].remaining)[: self.config.max_piggyback]
+        chosen = sorted(reversed(self._queue.items()), key=lambda item: -item[1].remaining)[: self.config.max_piggyback]
         for key, entry in chosen:
             if entry.digest is not None:
                 message.updates.append(entry.digest)
@@ -582,40 +654,89 @@ class GossipNode:
                 del self._queue[key]
         return Send(to, message)
 
-    def _digest(self) -> list[pb.MemberDigest]:
+    def _entries(self) -> list[tuple[str, int, int]]:
+        """This node's digest: every member it knows and itself, as (peer id, sequence, state)."""
         own_state = MemberState.LEFT if self._left else MemberState.ALIVE
         own_seq = self.issuer.sequence if self.issuer else 0
-        out = [pb.MemberDigest(peer_id=self.self_id, sequence=own_seq, state=own_state.wire)]
-        for peer_id, m in self._members.items():
-            out.append(pb.MemberDigest(peer_id=peer_id, sequence=m.incarnation, state=m.state.wire))
+        out = [(self.self_id, own_seq, int(own_state))]
+        out.extend((peer_id, m.incarnation, int(m.state)) for peer_id, m in self._members.items())
         return out
 
-    def _cards_lacking(self, digest: list[pb.MemberDigest] | None) -> list[pb.SignedCard]:
-        have = {d.peer_id: d.sequence for d in digest or []}
+    def _digest(self, buckets: set[int], count: int) -> list[pb.MemberDigest]:
+        return [pb.MemberDigest(peer_id=peer_id, sequence=seq, state=MemberState(state).wire)
+                for peer_id, seq, state in self._entries()
+                if self._summaries.position(peer_id, count) in buckets]
+
+    def _cards_in(self, buckets: set[int], count: int, have: dict[str, int] | None = None) -> list[pb.SignedCard]:
+        """The live cards of these buckets that are newer than ``have`` (peer -> sequence held)."""
+        have = have or {}
         return [card.signed for peer_id, card in self.live_cards().items()
-                if peer_id not in have or have[peer_id] < card.sequence]
+                if self._summaries.position(peer_id, count) in buckets and have.get(peer_id, -1) < card.sequence]
 
     def _push_pull_request(self) -> pb.GossipMessage:
         own = self.store.get(self.self_id)
-        request = pb.PushPull(digest=self._digest(), leases=self.leases(), cards=[own.signed] if own else [],
-                              revocations=self._revocations(), accusations=self.accusations())
+        count = bucket_count_for(len(self._members) + 1)
+        request = pb.PushPull(summary=summary.encode(self._summaries.summarize(self._entries(), count)),
+                              bucket_count=count, leases=self.leases(), cards=[own.signed] if own else [])
+        self._add_records(request, None)
         return pb.GossipMessage(push_pull=request)
 
+    def _add_records(self, out: pb.PushPull, theirs: pb.PushPull | None) -> bool:
+        """Set this node's revocation and accusation hashes on ``out``, and add the lists whose hash
+        ``theirs`` does not share; whether any was added."""
+        revocations, accusations = self._revocations(), self.accusations()
+        out.revocations_hash, out.accusations_hash = summary.hash_of(revocations), summary.hash_of(accusations)
+        if theirs is None:
+            return False
+        added = False
+        if theirs.revocations_hash != out.revocations_hash and revocations:
+            out.revocations.extend(revocations)
+            added = True
+        if theirs.accusations_hash != out.accusations_hash and accusations:
+            out.accusations.extend(accusations)
+            added = True
+        return added
+
     def _on_push_pull(self, sender: str, pp: pb.PushPull, now: float, actions: list[Action]) -> None:
-        self._merge_revocations(pp.revocations, now, actions)
         self._merge_all(pp.cards, pp.digest, pp.leases, now, actions, sender)
         for signed in pp.accusations[:ACCUSATIONS_TAKEN]:
             raw = signed.SerializeToString()
             if raw not in self._accusations_seen:  # the same ones come on every push-pull
                 remember(self._accusations_seen, raw, None, ACCUSATIONS_REMEMBERED)
                 actions.append(AccusationHeard(signed))
+        count = pp.bucket_count if summary.valid_count(pp.bucket_count) else bucket_count_for(len(self._members) + 1)
+        theirs = summary.decode(pp.summary) if pp.summary else None
+        if theirs is not None and len(theirs) != count:
+            theirs = None
+        covered = {b for b in pp.buckets if b < count}
+        have = {d.peer_id: d.sequence for d in pp.digest}
         if not pp.reply:
-            reply = pb.PushPull(reply=True, cards=self._cards_lacking(list(pp.digest)), digest=self._digest(),
-                                leases=self.leases(), revocations=self._revocations(),
-                                accusations=self.accusations())
+            # a request: name the buckets that differ and give their entries; where the initiator
+            # holds nothing (or sent no usable summary) it lacks every card, so they go at once
+            theirs = theirs or [0] * count
+            ours = self._summaries.summarize(self._entries(), count)
+            diff = summary.differing(ours, theirs)
+            held = sorted(b for b in diff if theirs[b])  # both hold something: repair, a few at a time
+            if len(held) > summary.MAX_REPAIRED:
+                diff -= set(held) - set(self.rng.sample(held, summary.MAX_REPAIRED))
+            reply = pb.PushPull(reply=True, summary=summary.encode(ours), bucket_count=count, buckets=sorted(diff),
+                                digest=self._digest(diff, count),
+                                cards=self._cards_in({b for b in diff if theirs[b] == 0}, count),
+                                leases=self.leases())
+            self._add_records(reply, pp)
             actions.append(self._send(sender, pb.GossipMessage(push_pull=reply)))
-        elif pp.digest:
-            lacking = self._cards_lacking(list(pp.digest))
+        elif theirs is not None:
+            # the responder's answer: the cards it lacks in the buckets it covered, and this node's
+            # entries where both hold something that differs, for it to send what this node lacks
+            ours = self._summaries.summarize(self._entries(), count)
+            mine = {b for b in summary.differing(ours, theirs) if ours[b] and theirs[b] and b in covered}
+            lacking = self._cards_in(covered, count, have)
+            finish = pb.PushPull(reply=True, cards=lacking, bucket_count=count, buckets=sorted(mine),
+                                 digest=self._digest(mine, count))
+            if self._add_records(finish, pp) or lacking or mine:
+                actions.append(self._send(sender, pb.GossipMessage(push_pull=finish)))
+        elif covered:
+            lacking = self._cards_in(covered, count, have)
             if lacking:
                 actions.append(self._send(sender, pb.GossipMessage(push_pull=pb.PushPull(reply=True, cards=lacking))))
 

@@ -31,6 +31,7 @@ from meshd.runtime.batching import StepBatcher
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import Numerics
 from meshd.runtime.shard import Shard, StepResult
+from meshd.runtime.speed_probe import TIMING_SESSION
 from meshd.wire.bundle import HiddenStateBundle
 
 log = logging.getLogger("meshd.runtime")
@@ -155,7 +156,11 @@ class ShardHost:
 
     @property
     def active_sessions(self) -> int:
-        return 0 if self.shard is None else len(self.shard.kv)
+        """Sessions held for clients (a speed probe's or check's throw-away session is none)."""
+        if self.shard is None:
+            return 0
+        held = self.shard.kv.keys()  # a copy, taken under the manager's lock
+        return sum(1 for session_id, _epoch in held if not session_id.startswith(TIMING_SESSION))
 
     @property
     def kv_free_bytes(self) -> int:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+import trio
+
 from meshd.errors import ErrorCode, MeshError
 from meshd.runtime.doctor import Check, check_shard
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo
-from meshd.runtime.speed_probe import measure_decode_tok_s
+from meshd.runtime.speed_probe import decode_steps, measure_decode_tok_s
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as rpb
 
@@ -24,6 +26,15 @@ log = logging.getLogger("meshd.runtime")
 
 class PlacementRefused(MeshError):
     """A placement order this peer cannot follow (another model or compat key, a range outside it)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+MAX_CHECK_STEPS = 32  # decode steps one speed check may ask for
+
+
+class CheckRefused(MeshError):
+    """A speed check this peer does not run: another model or compat key, no range, too many steps."""
 
     code = ErrorCode.BAD_REQUEST
 
@@ -43,6 +54,7 @@ class ServedModel:
         self.load_started = False
         self.error = ""          # why no range is served, after a failed load or check
         self.checks: list[Check] = []
+        self._speed_checking = trio.Lock()
 
     @property
     def range(self) -> tuple[int, int] | None:
@@ -102,3 +114,18 @@ class ServedModel:
             log.info("layers [%d, %d) passed their checks and decode at %.1f tok/s on this peer", start, end,
                      self.decode_tok_s)
         self.on_change()
+
+    async def serve_speed_check(self, sender: str, check: rpb.SpeedCheck) -> rpb.SpeedChecked:
+        """Decode ``check.steps`` steps of the loaded range for a peer timing this one's card claim
+        (:mod:`meshd.audit.speed`), one check at a time, on the compute thread the sessions use."""
+        if check.model_id != self.info.model_id or check.compat_key != self.info.compat_key:
+            raise CheckRefused(f"speed check for {check.model_id!r} ({check.compat_key[:12]}); this peer serves "
+                               f"{self.info.model_id!r} ({self.info.compat_key[:12]})")
+        if check.steps > MAX_CHECK_STEPS:
+            raise CheckRefused(f"a speed check runs at most {MAX_CHECK_STEPS} steps, not {check.steps}")
+        if self.range is None or self.error:
+            raise CheckRefused("this peer serves no range of the model yet")
+        async with self._speed_checking:
+            await self.host.run_sync(decode_steps, self.host.require_shard(), check.steps,
+                                     f"check-{sender[:16]}")
+        return rpb.SpeedChecked(steps=check.steps)

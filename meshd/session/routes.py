@@ -27,8 +27,12 @@ class RouteClient:
     """A :class:`~meshd.session.entry.RouteSource` over the gossip view and the elected tracker."""
 
     def __init__(self, view: MeshView, opener: StreamOpener, tracker: Callable[[], str | None],
-                 duties: TrackerDuties, excluded: Callable[[], frozenset[str]] = frozenset) -> None:
+                 duties: TrackerDuties, excluded: Callable[[], frozenset[str]] = frozenset,
+                 avoided: Callable[[], frozenset[str]] = frozenset,
+                 on_route: Callable[[Route], None] = lambda _r: None) -> None:
         self.view = view
+        self.avoided = avoided  # peers slower than their cards claim: used only where nothing else covers
+        self.on_route = on_route  # told every route handed out (speed checks time its hops' claims)
         self.excluded = excluded  # peers this peer's audits caught computing wrong: in none of its routes
         self.opener = opener
         self.tracker = tracker
@@ -50,7 +54,7 @@ class RouteClient:
         peer found unreachable or gossip suspects), favouring ``keep`` (the peers that hold a session
         being repaired), and only through peers of ``compat_key`` when given."""
         exclude = exclude | self.excluded() | frozenset(self.view.demoted())
-        avoid = (avoid | self.view.avoided()) - exclude
+        avoid = (avoid | self.view.avoided() | self.avoided()) - exclude
         route, source = await self._ask_tracker(model_id, exclude, keep, avoid, compat_key)
         if route is None:
             route = plan_route(model_id, self.view.offers(), self.view.rtt_of, epoch=self.duties.next_epoch(),
@@ -61,6 +65,7 @@ class RouteClient:
             if address is None:
                 raise NoRouteError(model_id, [(hop.start, hop.end)])
             addresses[hop.peer_id] = address
+        self.on_route(route)
         return PlannedRoute(route, addresses, source)
 
     async def _ask_tracker(self, model_id: str, exclude: frozenset[str], keep: frozenset[str],

@@ -218,7 +218,7 @@ class MeshView:
         card = self.gossip.store.get(peer_id)
         if card is not None and peer_id != self.self_id:
             self._demoted[peer_id] = (card.sequence, why)
-            log.warning("demoted %s: its card claims what it does not serve (%s)", peer_id[:12], why)
+            log.warning("demoted %s: its card claims what it does not do (%s)", peer_id[:12], why)
 
     def demoted(self) -> dict[str, str]:
         """Peers demoted for their current card, with why."""

@@ -153,20 +153,30 @@ class MemberDigest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., sequence: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ...) -> None: ...
 
 class PushPull(_message.Message):
-    __slots__ = ("cards", "digest", "reply", "leases", "revocations", "accusations")
+    __slots__ = ("cards", "digest", "reply", "leases", "revocations", "accusations", "summary", "bucket_count", "buckets", "revocations_hash", "accusations_hash")
     CARDS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ACCUSATIONS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_HASH_FIELD_NUMBER: _ClassVar[int]
+    ACCUSATIONS_HASH_FIELD_NUMBER: _ClassVar[int]
     cards: _containers.RepeatedCompositeFieldContainer[SignedCard]
     digest: _containers.RepeatedCompositeFieldContainer[MemberDigest]
     reply: bool
     leases: _containers.RepeatedCompositeFieldContainer[SignedLease]
     revocations: _containers.RepeatedCompositeFieldContainer[_admission_pb2.SignedRevocation]
     accusations: _containers.RepeatedCompositeFieldContainer[_audit_pb2.SignedAccusation]
-    def __init__(self, cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., digest: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., reply: _Optional[bool] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_admission_pb2.SignedRevocation, _Mapping]]] = ..., accusations: _Optional[_Iterable[_Union[_audit_pb2.SignedAccusation, _Mapping]]] = ...) -> None: ...
+    summary: bytes
+    bucket_count: int
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    revocations_hash: int
+    accusations_hash: int
+    def __init__(self, cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., digest: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., reply: _Optional[bool] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ..., revocations: _Optional[_Iterable[_Union[_admission_pb2.SignedRevocation, _Mapping]]] = ..., accusations: _Optional[_Iterable[_Union[_audit_pb2.SignedAccusation, _Mapping]]] = ..., summary: _Optional[bytes] = ..., bucket_count: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., revocations_hash: _Optional[int] = ..., accusations_hash: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq", "from_peer")

@@ -177,8 +177,24 @@ class RpcError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class SpeedCheck(_message.Message):
+    __slots__ = ("model_id", "compat_key", "steps")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    steps: int
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class SpeedChecked(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+
 class PeerRequest(_message.Message):
-    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk", "join")
+    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk", "join", "speed_check")
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +203,7 @@ class PeerRequest(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
+    SPEED_CHECK_FIELD_NUMBER: _ClassVar[int]
     gossip: _card_pb2.GossipMessage
     route: RouteRequest
     placement: PlacementOrder
@@ -195,10 +212,11 @@ class PeerRequest(_message.Message):
     manifest: ManifestRequest
     chunk: ChunkRequest
     join: _admission_pb2.JoinRequest
-    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ...) -> None: ...
+    speed_check: SpeedCheck
+    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ..., speed_check: _Optional[_Union[SpeedCheck, _Mapping]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined")
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined", "speed_checked")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +226,7 @@ class PeerReply(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    SPEED_CHECKED_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     route: RouteReply
     no_route: NoRoute
@@ -217,4 +236,5 @@ class PeerReply(_message.Message):
     manifest: WeightsManifest
     chunk: TensorChunk
     joined: _admission_pb2.JoinReply
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ...) -> None: ...
+    speed_checked: SpeedChecked
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ..., speed_checked: _Optional[_Union[SpeedChecked, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,128 @@
+"""Speed checks in one process: a fake peer whose decode steps take a known time on Trio's fake clock,
+timed against what its card claims."""
+
+from __future__ import annotations
+
+import random
+
+import trio
+
+from meshd.audit.speed import RECHECK_S, STEPS, SpeedChecks, short_of_claim
+from meshd.errors import ErrorCode
+from meshd.gossip import GossipNode
+from meshd.identity import Identity
+from meshd.rpc.router import error_reply, reply_of
+from meshd.tracker.view import Hop, MeshView, Route
+from meshd.wire import card_pb2 as cpb
+from meshd.wire import rpc_pb2 as pb
+
+STEP_S = 0.01  # the fake peer's real decode step
+RTT_S = 0.05
+
+
+class FakePeer:
+    """Answers speed checks after the round trip plus its steps; or refuses them."""
+
+    def __init__(self, refuse: ErrorCode | None = None, step_s: float = STEP_S) -> None:
+        self.refuse = refuse
+        self.step_s = step_s
+        self.asked: list[int] = []
+
+    async def request(self, peer_id, address, path, body, timeout):
+        check = pb.PeerRequest.FromString(body).speed_check
+        self.asked.append(check.steps)
+        await trio.sleep(RTT_S + 0.2 + check.steps * self.step_s)  # prefill and warm-up cost the same either way
+        if self.refuse is not None:
+            return error_reply(self.refuse, "no").SerializeToString()
+        return reply_of(pb.SpeedChecked(steps=check.steps)).SerializeToString()
+
+
+def _mesh(claimed: float) -> tuple[MeshView, GossipNode, str]:
+    me = GossipNode.with_identity(Identity.from_seed(b"\1" * 32), cpb.CapabilityCard(addresses=["me:1"]),
+                                  rng=random.Random(1))
+    other = GossipNode.with_identity(Identity.from_seed(b"\2" * 32), rng=random.Random(2), template=cpb.CapabilityCard(
+        addresses=["other:1"], models=[cpb.ModelServed(model_id="m", compat_key="k", n_layers=4, range_start=2,
+                                                        range_end=4, decode_tok_s=claimed)]))
+    other.tick(0.0)
+    me.on_card(other.store.get(other.self_id).signed, 0.0)
+    return MeshView(me, clock=trio.current_time), other, other.self_id
+
+
+def _route(peer_id: str) -> Route:
+    return Route("m", "k", (Hop(peer_id, 2, 4),), epoch=1, cost_ms=1.0)
+
+
+def test_a_claim_falls_short_only_beyond_tolerance_and_load():
+    assert not short_of_claim(100.0, 30.0) and short_of_claim(100.0, 20.0)
+    assert not short_of_claim(100.0, 20.0, load=2.0)  # a busy peer is allowed to be slower, as routing assumes
+    assert not short_of_claim(0.0, 1.0)  # no claim, nothing to fall short of
+
+
+async def test_a_boast_too_small_to_tell_from_noise_is_not_demoted(autojump_clock):
+    view, _other, peer_id = _mesh(claimed=1e6)
+    record = await SpeedChecks(view, FakePeer(step_s=1e-5)).check(peer_id, "m", "k")  # 32 steps: 0.3 ms
+    assert record is not None and not record.demoted
+
+
+async def test_an_honest_claim_is_met_and_not_checked_again_until_it_grows(autojump_clock):
+    view, other, peer_id = _mesh(claimed=1 / STEP_S)
+    fake = FakePeer()
+    checks = SpeedChecks(view, fake)
+    record = await checks.check(peer_id, "m", "k")
+    assert record is not None and not record.demoted
+    assert abs(record.measured - 1 / STEP_S) < 1  # the round trip and the prefill cancel out
+    assert fake.asked == [0, STEPS] * 3
+    other.republish(1.0)  # a new card claiming the same: no new check
+    view.gossip.on_card(other.store.get(other.self_id).signed, 1.0)
+    checks.on_route(_route(peer_id))
+    assert checks._waiting == {} and checks.avoided() == frozenset()
+
+
+async def test_a_boast_is_demoted_and_stays_so_while_the_cards_boast(autojump_clock):
+    view, other, peer_id = _mesh(claimed=1000 / STEP_S)
+    fake = FakePeer()
+    checks = SpeedChecks(view, fake)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(checks.run)
+        checks.on_route(_route(peer_id))
+        await trio.sleep(10)
+        record = checks.records[peer_id]
+        assert record.demoted and "claims 100000.0" in record.why
+        assert len(fake.asked) == 12  # short, and short again a moment later
+        assert checks.avoided() == {peer_id} and view.demoted() == {}  # avoided, not excluded
+        other.republish(5.0)
+        view.gossip.on_card(other.store.get(other.self_id).signed, 5.0)
+        assert checks.avoided() == {peer_id}  # the new card boasts as much
+        await trio.sleep(RECHECK_S)
+        assert checks.avoided() == {peer_id}  # still avoided while it is timed again
+        await trio.sleep(10)
+        assert len(fake.asked) == 24 and checks.records[peer_id].demoted
+        other.issuer.template.models[0].decode_tok_s = 1 / STEP_S
+        other.republish(9.0)
+        view.gossip.on_card(other.store.get(other.self_id).signed, 9.0)
+        assert checks.avoided() == frozenset()  # a new claim, timed at its next use
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_only_busy_for_a_moment_is_not_demoted(autojump_clock):
+    view, _other, peer_id = _mesh(claimed=1 / STEP_S)
+    busy = FakePeer(step_s=50 * STEP_S)
+    checks = SpeedChecks(view, busy)
+
+    async def recover() -> None:
+        await trio.sleep(1.0)
+        busy.step_s = STEP_S
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(recover)
+        record = await checks.check(peer_id, "m", "k")
+    assert record is not None and not record.demoted and checks.avoided() == frozenset()
+
+
+async def test_refusing_to_be_timed_demotes_but_being_unreachable_does_not(autojump_clock):
+    view, _other, peer_id = _mesh(claimed=50.0)
+    refused = await SpeedChecks(view, FakePeer(refuse=ErrorCode.BAD_REQUEST)).check(peer_id, "m", "k")
+    assert refused is not None and refused.demoted and "refused to be timed" in refused.why
+    view, _other, peer_id = _mesh(claimed=50.0)
+    unreachable = SpeedChecks(view, FakePeer(refuse=ErrorCode.UNREACHABLE))
+    assert await unreachable.check(peer_id, "m", "k") is None and unreachable.avoided() == frozenset()
