@@ -100,10 +100,8 @@ class SpeedChecks:
 
     def demoted(self) -> dict[str, str]:
         """Peers found short of a claim their current cards still make (no less than the one timed),
-        with why: avoided by routes wherever others cover their layers. A demotion older than
-        :data:`RECHECK_S` is timed again at the next route, and lifted if the peer now keeps up."""
+        with why: avoided by routes wherever others cover their layers."""
         out = {}
-        now = trio.current_time()
         for peer_id, record in self.records.items():
             if not record.demoted:
                 continue
@@ -111,13 +109,19 @@ class SpeedChecks:
             if card is None or claimed_tok_s(card.card, record.model_id, record.compat_key) < record.claimed:
                 continue  # gone, or claiming less: a new claim, timed at its first use
             record.sequence = card.sequence
-            if now >= record.checked_at + RECHECK_S:
-                self._enqueue(peer_id, record.model_id, record.compat_key)
             out[peer_id] = record.why
         return out
 
     def avoided(self) -> frozenset[str]:
-        return frozenset(self.demoted())
+        """The demoted peers, for a route being planned; a demotion older than :data:`RECHECK_S` is
+        timed again now (it stays until the new verdict), and lifted if the peer keeps up by then."""
+        demoted = self.demoted()
+        now = trio.current_time()
+        for peer_id in demoted:
+            record = self.records[peer_id]
+            if now >= record.checked_at + RECHECK_S:
+                self._enqueue(peer_id, record.model_id, record.compat_key)
+        return frozenset(demoted)
 
     def on_route(self, route: Route) -> None:
         """A route is about to be used: check every hop whose card claims more than is known of it."""

@@ -48,7 +48,7 @@ from meshd.gossip import summary
 from meshd.gossip.events import AccusationHeard, Action, LeaseReceived, MemberChanged, MemberState, Send
 from meshd.gossip.summary import SummaryCache, bucket_count_for
 from meshd.identity import Identity
-from meshd.limits import remember
+from meshd.limits import TokenBucket, remember
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import audit_pb2 as aupb
 from meshd.wire import card_pb2 as pb
@@ -179,7 +179,7 @@ class GossipNode:
         self._issued_at = 0.0  # when this peer last issued its own card
         self._changed = False  # the template changed since: a card is due once the gap has passed
         self._own_size = 0
-        self._issue_credit = float(CARD_BURST)  # issues allowed at once, as of _issued_at (see _allowance)
+        self._card_pace = TokenBucket(1.0, CARD_BURST, 0.0, 0.0)  # own cards of its own accord, one per gap
 
     def admit_with(self, gate: MeshGate) -> None:
         """Make this a private mesh's node: cards enter only with a valid credential."""
@@ -598,21 +598,20 @@ class GossipNode:
         long as the peer has been quiet for a gap per card before them."""
         if self.issuer is None:
             return
+        gap = self.card_gap()
+        self._card_pace.rate = 1.0 / max(gap, 1e-9)  # the gap grows with the mesh
         own = self.store.get(self.self_id)
         if own is None:
+            self._card_pace.take(1, now)
             self._issue_own(now)
             return
-        gap = self.card_gap()
         lifetime_s = (own.expires_at_ms - own.card.issued_at_ms) / 1000
         due = self._issued_at + min(max(self.issuer.ttl_ms / 2000, gap), lifetime_s / 2)
-        if now >= due or (self._changed and self._allowance(now, gap) >= 1.0):
+        if now >= due:
+            self._card_pace.take(1, now)  # counts against the pace; issued whatever is left
             self._issue_own(now)
-
-    def _allowance(self, now: float, gap: float) -> float:
-        """Cards this peer may issue now of its own accord: one per gap since the last, up to a few."""
-        if gap <= 0:
-            return CARD_BURST
-        return min(CARD_BURST, self._issue_credit + (now - self._issued_at) / gap)
+        elif self._changed and self._card_pace.take(1, now) == 0.0:
+            self._issue_own(now)
 
     def _issue_own(self, now: float, at_least: int = 0) -> None:
         """Sign a newer card; it refutes any suspicion about an older sequence. It lives at least
@@ -621,7 +620,6 @@ class GossipNode:
         ttl_ms = max(self.issuer.ttl_ms, int(2000 * self.card_gap()))
         signed = self.issuer.issue(_ms(now), at_least=at_least, ttl_ms=ttl_ms)
         self.store.accept(signed, _ms(now))
-        self._issue_credit = max(0.0, self._allowance(now, self.card_gap()) - 1.0)
         self._issued_at, self._changed, self._own_size = now, False, signed.ByteSize()
         self._enqueue(self.self_id, card=signed)
 
