@@ -16,6 +16,7 @@ import trio
 
 from meshd.runtime.host import InlineCompute, ShardHost
 from meshd.runtime.model_info import ModelInfo, describe_model
+from meshd.session.attempt import Speculation
 from meshd.session.entry import EntryConfig, EntrySessions, Generation, PlannedRoute
 from meshd.session.hop import HopService
 from meshd.session.hop_state import AdmissionLimits
@@ -143,10 +144,10 @@ class InProcessMesh:
 
     async def generate(self, prompt: list[int], n: int, sampling: Sampling | None = None,
                        on_token: Callable[[int], Awaitable[None]] | None = None,
-                       session_id: str = "s1") -> list[int]:
+                       session_id: str = "s1", speculation: Speculation | None = None) -> list[int]:
         """Run one generation through the entry; ``on_token(count)`` runs after each token."""
         gen = Generation(session_id=session_id, model_id=self.info.model_id, prompt=prompt, max_new_tokens=n,
-                         sampling=sampling or Sampling(), stop_token_ids=frozenset())
+                         sampling=sampling or Sampling(), stop_token_ids=frozenset(), speculation=speculation)
         first = await self.routes.route_for(gen.model_id)
         tokens: list[int] = []
         stream = self.entry.generate(gen, first)

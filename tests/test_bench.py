@@ -103,3 +103,40 @@ def test_the_gguf_bench_measures_both_engines_against_llama_cpp(tmp_path, tiny_m
     assert report["paths"]["llama.cpp"]["tokens_identical"] is True  # llama.cpp ranges = llama.cpp whole
     assert 0.5 <= report["top1_agreement"] <= 1.0 and report["top1_agreement_steps"] == 256
     assert "top-1 agreement" in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_on_a_shaped_link_reports_what_the_shaper_delivered_next_to_the_meshes(tmp_path, tiny_model):
+    out = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl_main", "bench", "--model", str(tiny_model), "--peers", "2",
+         "--concurrency", "1", "--prompt-tokens", "16", "--new-tokens", "8", "--runs", "1", "--link", "5ms/100Mbit",
+         "--speculative", "off,ngram", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert [k for k in TOP_LEVEL if k not in report] == []  # the loopback run keeps the top level
+    link = report["links"]["5ms/100Mbit"]
+    assert link["shape"] == {"name": "5ms/100Mbit", "spec": "5ms/100Mbit", "delay_ms": 5, "jitter_ms": 0,
+                             "jitter": "uniform", "rate_mbit": 100}
+    shaper = link["shaper"]
+    assert shaper["set_delay_ms"] == 5 and shaper["set_rate_mbit"] == 100 and shaper["set_jitter_ms"] == 0
+    assert 5 <= shaper["measured_delay_ms_p50"] <= shaper["measured_delay_ms_p95"] <= 5 + 50
+    assert shaper["measured_rate_mbit"] > 0 and shaper["measured_jitter_ms"] >= 0
+    plain, guessing = link["meshes"]
+    assert plain["setup"] == {"link": "5ms/100Mbit", "speculative": "off"}
+    assert guessing["setup"] == {"link": "5ms/100Mbit", "speculative": "ngram"}
+    for variant in (plain, guessing):
+        assert set(variant["mesh_tok_s"]) == {"2"} and variant["mesh_tok_s"]["2"] > 0
+        assert variant["tokens_identical"] is True and variant["split_identical"] is True
+        assert variant["seam_ms"]["2"]["p50"] >= 5  # the hidden state crossed the shaped link
+        assert len(variant["route"]["2"]["peers"]) == 2 and variant["route"]["2"]["cost_ms"] > 0
+    assert plain["tokens_per_step"]["2"] == 1.0 and plain["speculation"]["2"]["sources"] == {}
+    assert guessing["tokens_per_step"]["2"] >= 1.0 and guessing["speculation"]["2"]["mode"] == "ngram"
+    assert [v["setup"] for v in report["loopback"]["meshes"]] == [{"link": "loopback", "speculative": "off"},
+                                                                 {"link": "loopback", "speculative": "ngram"}]
+    assert report["speculative"] == "off"  # the top level is the first mode's loopback run
+    for place in ("loopback", "5ms/100Mbit"):
+        assert report["speculative_speedup"][place]["ngram"]["2"] > 0
+    assert "on shaped links" in run.stdout and "speculative ngram" in run.stdout

@@ -89,6 +89,29 @@ def test_a_q8_0_gguf_split_equals_the_same_engine_in_one_process(dirs, backend):
             assert generate(dirs["q8_0"], split, backend, chunk=chunk) == whole, (split, chunk)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("llama.cpp", marks=native)])
+def test_guessed_tokens_verified_by_each_engine_give_its_plain_reply(dirs, backend):
+    """Steps with guesses (from the reply itself, one in three wrong) verified by a split, as llama.cpp
+    computes them position by position: the reply is the engine's plain one, in fewer steps."""
+    model_dir = dirs["q8_0"]
+    numerics = choose_numerics(model_dir, backend=backend).numerics
+    info = describe_model(model_dir, numerics=numerics)
+    plain = generate(model_dir, SPLITS[0], backend, n=30)
+    asked: list[int] = []
+
+    def guess(context, k):
+        asked.append(k)
+        at = len(context) - len(PROMPT)
+        out = list(plain[at : at + k])
+        if len(asked) % 3 == 0 and out:
+            out[-1] = (out[-1] + 1) % 300
+        return out
+
+    chain = LocalChain([open_shard(model_dir, a, b, numerics=numerics, manifest=info.manifest) for a, b in SPLITS[2]])
+    assert chain.generate(PROMPT, 30, chunk_tokens=7, draft=guess, draft_tokens=5).tokens == plain
+    assert len(asked) < 15
+
+
 @native
 def test_llama_cpp_and_torch_agree_on_most_greedy_tokens(dirs):
     """Teacher-forced over 256 positions of llama.cpp's own greedy output: how often the torch engine's

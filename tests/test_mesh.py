@@ -330,10 +330,13 @@ def test_the_metrics_endpoint_moves_during_a_generation(mesh):
         total(before[0], "meshd_time_to_first_token_seconds_count", model="tiny") + 1
     seams = [total(a, "meshd_seam_latency_seconds_count") - total(b, "meshd_seam_latency_seconds_count")
              for a, b in zip(after, before, strict=True)]
-    assert sum(seams) >= 3 * (long - 1), seams  # every decode step crosses every hop's seam
+    # every decode step crosses every hop's seam; a step brings one token, or more when the entry's
+    # guesses (n-gram lookup, on by default) are accepted: at most 1 + max_draft_tokens (8)
+    assert seams[0] == seams[1] == seams[2], seams
+    assert (long - 1) / 9 <= seams[0] <= long - 1, seams
     batches = [total(a, "meshd_decode_batches_total") - total(b, "meshd_decode_batches_total")
                for a, b in zip(after, before, strict=True)]
-    assert all(n >= long - 1 for n in batches), batches
+    assert all(n >= seams[0] for n in batches), batches
     assert total(after[0], "meshd_gossip_messages_total", direction="sent") > \
         total(before[0], "meshd_gossip_messages_total", direction="sent")
 

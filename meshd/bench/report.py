@@ -9,6 +9,11 @@ compute (the forward), serializing the outgoing bundle, and the network between 
 serializing and the receiver's deserializing; what is left is the tail's token back to the entry,
 the entry and the API (``other``). ``seam_transfers_per_token`` counts the bundles that crossed a
 seam per decode step: one traversal of the route is one per hop.
+
+Runs on shaped links (``meshctl bench --link``) go under ``links``, by shape label: the shape, what
+its shaper delivered on loopback (``shaper``), and ``meshes``: a list of variants run on that link,
+each with the ``setup`` it ran with and the same mesh figures as the top level. The top level stays
+the plain loopback run either way.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from meshd.bench.baseline import BaselineResult
 
 if TYPE_CHECKING:
     from meshd.bench.runner import MeshResult
+    from meshd.links.profiles import LinkShape
 
 
 def _r(value: float | None, digits: int = 3) -> float | None:
@@ -98,6 +104,8 @@ def _mesh_figures(mesh: MeshResult) -> dict[str, Any]:
         "bytes": {"hidden": _mean(hidden_bytes), "entry": mesh.hop_stats[0]["decode_bundle_bytes"].get("p50")},
         # bundles that crossed a seam per decode step: the entry's into the head, then one per later hop
         "seam_transfers_per_token": _r(transfers / steps) if steps else None,
+        # reply tokens per decode step (a traversal of the route): 1 without speculation
+        "tokens_per_step": _r(sum(max(0, r.completion_tokens - 1) for r in mesh.runs) / steps) if steps else None,
         "profile": {
             "step_ms": _r(step_ms), "compute_ms": split["compute_ms"], "seams_ms": _r(seams_ms),
             "other_ms": _r(step_ms - (split["compute_ms"] or 0.0) - seams_ms - (split["queue_ms"] or 0.0))
@@ -107,7 +115,21 @@ def _mesh_figures(mesh: MeshResult) -> dict[str, Any]:
         },
         "runs": {"tok_s": [_r(r.decode_tok_s) for r in mesh.runs], "ttft_ms": [_r(r.ttft_ms) for r in mesh.runs],
                  "chunks": [r.chunks for r in mesh.runs]},
+        # the entry's guesses over the single-session runs, by draft source (the entry is the head)
+        "speculation": mesh.hop_stats[0].get("speculation"),
+        "route": _route_summary(mesh.route),
     }
+
+
+def _route_summary(route: dict) -> dict[str, Any]:
+    """The entry's planned route: its peers and estimated ms per token, and what each crossing costs."""
+    if not route.get("hops"):
+        return {}
+    crossings = [h.get("crossing") or {} for h in route["hops"]] + [route.get("back") or {}]
+    return {"peers": [h["peer_id"][:12] for h in route["hops"]], "cost_ms": route.get("cost_ms"),
+            "compute_ms": [h.get("compute_ms") for h in route["hops"]],
+            "crossing_ms": [_r((c.get("latency_ms") or 0.0) + (c.get("transfer_ms") or 0.0)) for c in crossings],
+            "rtt_ms": [c.get("rtt_ms") for c in crossings]}
 
 
 def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
@@ -132,6 +154,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "bytes_per_token_per_seam": top["bytes"]["hidden"],
         "bytes_per_token": {k: f["bytes"] for k, f in figures.items()},
         "seam_transfers_per_token": {k: f["seam_transfers_per_token"] for k, f in figures.items()},
+        "tokens_per_step": {k: f["tokens_per_step"] for k, f in figures.items()},
         "aggregate_tok_s": {str(c): _r(v) for c, v in aggregate.items()},
         "aggregate_peers": largest.peers,
         "batching_gain": _r(gain, 4),
@@ -145,12 +168,21 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         # every split answers what the mesh with the fewest peers answered: the split changes nothing,
         # whatever the dtype (against transformers only float32 is expected to match token for token)
         "split_identical": all(m.texts == meshes[0].texts for m in meshes),
+        "speculation": {k: f["speculation"] for k, f in figures.items()},
+        "route": {k: f["route"] for k, f in figures.items()},
         "profile": {"baseline_step_ms": _r(_mean([1000 / v for v in baseline.runs_tok_s if v]))}
         | {k: f["profile"] for k, f in figures.items()},
         "runs_detail": {"baseline": {"tok_s": [_r(v) for v in baseline.runs_tok_s],
                                      "ttft_ms": [_r(v) for v in baseline.runs_ttft_ms]}}
         | {k: f["runs"] for k, f in figures.items()},
     }
+
+
+def link_report(shape: LinkShape, shaper: dict, baseline: BaselineResult, variants: list[tuple[dict, list]]) -> dict:
+    """One link shape: what it was set to, what its shaper delivered, and each variant of meshes run
+    over it, as ``(setup, meshes)`` with ``setup`` saying how that variant ran (``{"link": NAME, ...}``)."""
+    return {"shape": shape.as_json(), "shaper": shaper,
+            "meshes": [{"setup": setup, **build_report({}, baseline, meshes)} for setup, meshes in variants]}
 
 
 def write_report(path: Path, report: dict) -> None:
@@ -225,7 +257,38 @@ def format_summary(report: dict) -> str:
                  f"every split identical to the {min(report['mesh_tok_s'], key=int)}-peer mesh: "
                  f"{'yes' if report['split_identical'] else 'NO'} (dtype {report.get('dtype')}, "
                  f"numerics {report.get('numerics')})")
+    if report.get("links"):
+        lines += ["", *_link_lines(report)]
+    if report.get("speculative_speedup"):
+        lines += ["", "speculative decoding against none, decode tok/s in this run (replies identical):"]
+        for place, modes in report["speculative_speedup"].items():
+            for mode, by_peers in modes.items():
+                cells = ", ".join(f"{k} peer{'s' if k != '1' else ''} {_fmt(v, '.2f')}x" for k, v in by_peers.items())
+                lines.append(f"  {place}, speculative {mode}: {cells}")
     return "\n".join(lines)
+
+
+def _link_lines(report: dict) -> list[str]:
+    """Per link shape: set against delivered, then each variant's tok/s, ratio and seam per peer count."""
+    lines = ["on shaped links (every peer's outgoing peer traffic; shaper measured on loopback first):"]
+    for label, link in report["links"].items():
+        got = link["shaper"]
+        lines.append(f"  {label} ({link['shape']['spec']}): one-way delay p50/p95 "
+                     f"{_fmt(got['measured_delay_ms_p50'], '.3f')}/{_fmt(got['measured_delay_ms_p95'], '.3f')} ms "
+                     f"(set {got['set_delay_ms']:g}), jitter {_fmt(got['measured_jitter_ms'], '.3f')} ms "
+                     f"(set ±{got['set_jitter_ms']:g}), rate {_fmt(got['measured_rate_mbit'], '.1f')} Mbit/s "
+                     f"(set {got['set_rate_mbit']:g})")
+        for variant in link["meshes"]:
+            setup = ", ".join(f"{key} {value}" for key, value in variant["setup"].items() if key != "link")
+            cells = "; ".join(
+                f"{k} peer{'s' if k != '1' else ''} {tok_s:.2f} tok/s (ratio {variant['ratio'][k]:.3f}, TTFT "
+                f"{variant['ttft_ms'][k]:.1f} ms, seam p50 {_fmt(variant['seam_ms'][k]['p50'], '.3f')} ms)"
+                for k, tok_s in variant["mesh_tok_s"].items())
+            cells += "".join(f"; {k}: {tps:.2f} tokens/step" for k, tps in variant.get("tokens_per_step", {}).items()
+                             if tps is not None and variant["setup"].get("speculative", "off") != "off")
+            same = "identical" if variant["tokens_identical"] else "tokens DIFFER from the baseline"
+            lines.append(f"    {setup + ': ' if setup else ''}{cells}; {same}")
+    return lines
 
 
 def format_gguf_summary(report: dict) -> str:

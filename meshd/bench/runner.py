@@ -6,6 +6,10 @@ against a baseline from several minutes earlier mostly measures the drift. Each 
 ``meshd run`` processes (:class:`~meshd.daemon.local_mesh.LocalMesh`) with pinned,
 even layer ranges, asked through the head peer's OpenAI API exactly as a user would. Peers run with
 this process's torch thread count, so the mesh and the baseline compute with the same threads.
+
+With link shapes (``--link``), every peer count is run again for each shape with every peer started
+with ``--link-shape``, so both directions of every seam cross the modelled link; each shape's shaper
+is calibrated in this process first, and the report sets what it delivered next to what it was set to.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import psutil
 
 from meshd import __version__
 from meshd.bench.baseline import Baseline, BaselineResult
-from meshd.bench.report import build_report
+from meshd.bench.report import build_report, link_report
 from meshd.bench.wakeup import measure_wakeups
 from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalMeshError
+from meshd.links.calibrate import calibrate
+from meshd.links.profiles import LinkShape
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
 from meshd.progress import Progress, progress
 
@@ -60,6 +66,9 @@ class BenchConfig:
     dtype: str = "auto"  # the peers' --dtype; the baseline runs transformers in the same dtype
     format: str = "safetensors"  # or "gguf": llama.cpp is the baseline, and both engines are measured
     quant: str = "q8_0"  # the GGUF file's quantization, for a built-in model
+    links: tuple[LinkShape, ...] = ()  # meshes again on each shaped link, after the loopback ones
+    speculative: tuple[str, ...] = ("off",)  # the peers' --speculative, each run on loopback and every link
+    draft_model: str | None = None  # a built-in model's name or a directory: the peers' --draft-model
 
 
 @dataclass
@@ -78,6 +87,7 @@ class MeshResult:
     texts: list[str] = field(default_factory=list)  # what each single-session run answered
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
+    route: dict = field(default_factory=dict)  # the route the entry plans after the runs, with its cost terms
 
 
 def resolve_model(spec: str, say: Say) -> Path:
@@ -114,24 +124,56 @@ class _Measures(Protocol):
     def measure(self, runs: int) -> BaselineResult: ...
 
 
-def _bracketed_meshes(setups: list[tuple[str, list[str]]], model: Path, model_id: str, n_layers: int,
+@dataclass(frozen=True)
+class Setup:
+    """One way of running the meshes: a label ("" for the plain loopback run), the peers' flags, the
+    link shape every peer's outgoing peer traffic travels (None: plain loopback), and the peers'
+    speculative decoding mode."""
+
+    label: str
+    flags: tuple[str, ...]
+    link: LinkShape | None = None
+    speculative: str = "off"
+
+    @property
+    def link_label(self) -> str:
+        return self.link.label if self.link is not None else "loopback"
+
+
+def speculative_setups(cfg: BenchConfig, draft_dir: Path | None) -> list[Setup]:
+    """Loopback and then each link, each with every speculative mode, in that order; the first is
+    the plain loopback run the top of the report describes (label "")."""
+    out: list[Setup] = []
+    for link in (None, *cfg.links):
+        for mode in cfg.speculative:
+            flags = ["--dtype", cfg.dtype, "--speculative", mode]
+            if draft_dir is not None and mode in ("auto", "model"):
+                flags += ["--draft-model", str(draft_dir)]
+            label = "" if not out else (f"{link.label if link is not None else 'loopback'}, speculative {mode}"
+                                        if len(cfg.speculative) > 1 else link.label if link is not None else "")
+            out.append(Setup(label, tuple(flags), link, mode))
+    return out
+
+
+def _bracketed_meshes(setups: list[Setup], model: Path, model_id: str, n_layers: int,
                       prompt: Prompt, expected: str, base: _Measures, measured: list[BaselineResult],
                       cfg: BenchConfig, say: Say) -> dict[str, list[MeshResult]]:
-    """Each setup (a label and the peers' flags) as a mesh of every peer count, each followed by baseline
-    runs, so that a mesh's ratio uses the baseline measured just before and just after it (appended to
-    ``measured``). A failure keeps the peers' logs and says where."""
+    """Each setup as a mesh of every peer count, each followed by baseline runs, so that a mesh's ratio
+    uses the baseline measured just before and just after it (appended to ``measured``). A failure
+    keeps the peers' logs and says where."""
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     out: dict[str, list[MeshResult]] = {}
     try:
         with _overall(len(setups) * len(cfg.peers)) as bar:
-            for label, flags in setups:
+            for setup in setups:
+                label = setup.label
                 for k in sorted(cfg.peers):
                     levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
                     if label:
                         say(f"{label}: mesh of {k}")
                     mesh = _measure_mesh(model, model_id, k, even_ranges(n_layers, k), prompt, expected,
-                                         measured[0], cfg, workdir / f"{label + '-' if label else ''}peers{k}",
-                                         levels, say, flags)
+                                         measured[0], cfg, workdir / f"{_slug(label) + '-' if label else ''}peers{k}",
+                                         levels, say, setup)
                     measured.append(base.measure(cfg.runs))
                     mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
                     say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
@@ -142,6 +184,23 @@ def _bracketed_meshes(setups: list[tuple[str, list[str]]], model: Path, model_id
         raise
     if cfg.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def _slug(label: str) -> str:
+    """A setup's label as a directory name (a link shape's spec holds '/' and '±')."""
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in label)
+
+
+def _calibrate_links(shapes: tuple[LinkShape, ...], say: Say) -> dict[str, dict]:
+    """What each shape's shaper delivers on loopback in this process, before anything else runs."""
+    out: dict[str, dict] = {}
+    for shape in shapes:
+        got = calibrate(shape).as_json()
+        say(f"link {shape.label} ({shape.spec}): shaper delivered one-way delay p50/p95 "
+            f"{got['measured_delay_ms_p50']:.3f}/{got['measured_delay_ms_p95']:.3f} ms, jitter "
+            f"{got['measured_jitter_ms']:.3f} ms, rate {got['measured_rate_mbit'] or 0:.1f} Mbit/s")
+        out[shape.label] = got
     return out
 
 
@@ -165,6 +224,8 @@ def _prepare(cfg: BenchConfig) -> None:
 def run_bench(cfg: BenchConfig, say: Say) -> dict:
     """Measure everything and return the report object (see :func:`meshd.bench.report.build_report`)."""
     if cfg.format == "gguf":
+        if cfg.links:
+            raise BenchError("--link applies to the safetensors benchmark, not to --format gguf")
         return run_gguf_bench(cfg, say)
     _prepare(cfg)
     import torch
@@ -186,6 +247,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         say(f"note: 1-minute load average is {load_start[0]:.2f} before starting; other work skews the figures")
     say("wake-up latency of this machine (threads and processes, hot and after idling)")
     wakeups = measure_wakeups()
+    shapers = _calibrate_links(cfg.links, say)
     say(f"baseline: {model_id} in this process, {torch.get_num_threads()} torch threads, "
         f"{len(prompt.ids)} prompt + {cfg.new_tokens} new tokens, {cfg.runs} runs before and after each mesh")
     from meshd.runtime.shard import resolve_dtype
@@ -197,8 +259,10 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
     say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
 
-    meshes = _bracketed_meshes([("", ["--dtype", cfg.dtype])], model_dir, model_id, n_layers, prompt, expected,
-                               base, measured, cfg, say)[""]
+    draft_dir = resolve_model(cfg.draft_model, say) if cfg.draft_model else None
+    setups = speculative_setups(cfg, draft_dir)
+    by_setup = _bracketed_meshes(setups, model_dir, model_id, n_layers, prompt, expected, base, measured, cfg, say)
+    meshes = by_setup[""]
     baseline = _pooled(measured)
 
     meta = {
@@ -215,10 +279,43 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         "numerics": meshes[0].numerics if meshes else None,
         "wakeup": wakeups,
     }
-    return build_report(meta, baseline, meshes)
+    meta["speculative"] = setups[0].speculative
+    meta["draft_model"] = draft_dir.name if draft_dir is not None else None
+    report = build_report(meta, baseline, meshes)
+
+    def variants(link: LinkShape | None) -> list[tuple[dict, list]]:
+        return [({"link": s.link_label, "speculative": s.speculative}, by_setup[s.label]) for s in setups
+                if s.link == link]
+
+    if len(cfg.speculative) > 1:
+        report["loopback"] = {"meshes": [{"setup": setup, **build_report({}, baseline, found)}
+                                         for setup, found in variants(None)]}
+    if cfg.links:
+        report["links"] = {shape.label: link_report(shape, shapers[shape.label], baseline, variants(shape))
+                           for shape in cfg.links}
+    report["speculative_speedup"] = speculative_speedup(report)
+    return report
 
 
-GGUF_PATHS = (("llama.cpp", ["--backend", "llama.cpp"]), ("torch", ["--backend", "torch"]))
+def speculative_speedup(report: dict) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per link (and loopback), per speculative mode other than off: its decode tok/s over off's, by
+    peer count, both measured in this run."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    places = {"loopback": report.get("loopback", {})} | report.get("links", {})
+    for place, found in places.items():
+        by_mode = {v["setup"]["speculative"]: v for v in found.get("meshes", [])}
+        plain = by_mode.get("off")
+        if plain is None:
+            continue
+        for mode, variant in by_mode.items():
+            if mode != "off":
+                out.setdefault(place, {})[mode] = {
+                    k: (round(tok_s / plain["mesh_tok_s"][k], 4) if plain["mesh_tok_s"].get(k) else None)
+                    for k, tok_s in variant["mesh_tok_s"].items()}
+    return out
+
+
+GGUF_PATHS = (Setup("llama.cpp", ("--backend", "llama.cpp")), Setup("torch", ("--backend", "torch")))
 AGREEMENT_STEPS = 256
 
 
@@ -289,15 +386,16 @@ def _pooled(measured: list[BaselineResult]) -> BaselineResult:
 
 def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
                   expected: str, baseline: BaselineResult, cfg: BenchConfig, workdir: Path,
-                  levels: list[int], say: Say, flags: list[str]) -> MeshResult:
+                  levels: list[int], say: Say, setup: Setup) -> MeshResult:
     from openai import OpenAI
 
     threads = str(baseline.torch_threads)
     env = {"MESHD_TORCH_THREADS": threads, "OMP_NUM_THREADS": threads}
-    with LocalMesh(workdir, log_level="warning", env=env) as mesh:
+    link = setup.link.spec if setup.link is not None else None
+    with LocalMesh(workdir, log_level="warning", env=env, link_shape=link) as mesh:
         say(f"mesh of {k}: starting peers with layers {', '.join(f'[{s},{e})' for s, e in ranges)}")
         started = time.monotonic()
-        peers = mesh.start_peers([{"model": model_dir, "layers": r, "extra": flags} for r in ranges],
+        peers = mesh.start_peers([{"model": model_dir, "layers": r, "extra": list(setup.flags)} for r in ranges],
                                  timeout=PEER_START_TIMEOUT_S)
         mesh.wait_covered(model_id, timeout=COVER_TIMEOUT_S)
         say(f"mesh of {k}: covered after {time.monotonic() - started:.1f}s")
@@ -321,9 +419,11 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
                 f"TTFT {runs[-1].ttft_ms:.1f} ms, {'identical' if matches(runs[-1]) else 'DIFFERENT'}")
         identical = [matches(r) for r in runs]
         hop_stats = [hop.get("/stats") for hop in hops]
+        planned = peers[0].get(f"/route?model={model_id}")
         rss_mb = [psutil.Process(p.process.pid).memory_info().rss / 2**20 for p in hops]
         result = MeshResult(k, ranges, runs, [], identical, hop_stats, [h.peer_id for h in hops], rss_mb,
-                            numerics=hops[0].get("/status")["numerics"], texts=[r.text for r in runs])
+                            numerics=hops[0].get("/status")["numerics"], texts=[r.text for r in runs],
+                            route=planned)
 
         if levels:
             for hop in hops:
@@ -370,4 +470,9 @@ def main_bench(cfg: BenchConfig, out: Path) -> int:
     if report.get("format") != "gguf" and not report["tokens_identical"] and report["dtype"] == "float32":
         print("meshctl bench: the mesh's tokens differ from the baseline's", file=sys.stderr)
         return 1
+    for label, link in report.get("links", {}).items():
+        for variant in link["meshes"]:
+            if not variant["split_identical"] or (not variant["tokens_identical"] and report["dtype"] == "float32"):
+                print(f"meshctl bench: on link {label}, the mesh's tokens differ", file=sys.stderr)
+                return 1
     return 0

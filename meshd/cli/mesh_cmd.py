@@ -121,15 +121,46 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.0f} bit/s"
+
+
+def _link(crossing: dict | None, entry: str) -> list[str]:
+    """A crossing's columns: where from, half its round trip, the transfer, and what they rest on."""
+    if crossing is None:  # a tracker that does not say
+        return ["-", "-", "-", "-"]
+    source = crossing["from_peer"][:12] + (" (entry)" if crossing["from_peer"] == entry else "")
+    if crossing["from_peer"] == crossing["to_peer"]:
+        return [source, "0.000", "0.000", "same peer"]
+    rtt = f"rtt {crossing['rtt_ms']:.2f}ms " + ("measured" if crossing["rtt_measured"] else
+                                                   "default+relay" if crossing["relayed"] else "default")
+    parts = [rtt + (" (relayed)" if crossing["relayed"] and crossing["rtt_measured"] else "")]
+    if crossing["bytes"]:
+        parts.append(f"{crossing['bytes']} B at {_rate(crossing['rate_bps'])} "
+                     + ("measured" if crossing["rate_measured"] else "default"))
+    return [source, f"{crossing['latency_ms']:.3f}", f"{crossing['transfer_ms']:.3f}", ", ".join(parts)]
+
+
 def _cmd_route(args: argparse.Namespace) -> int:
     route = control_get(args, f"/route?model={urllib.parse.quote(args.model)}")
     if args.json:
         return _print_json(route)
+    entry = route.get("entry") or ""
+    hops, back = route["hops"], route.get("back")
+    compute = sum(h["compute_ms"] for h in hops)
+    links = sum(h["seam_ms"] for h in hops) + (back["latency_ms"] + back["transfer_ms"] if back else 0.0)
     print(f"model {route['model']} (compat {route['compat_key']}), epoch {route['epoch']}, "
-          f"planned by {route['planned_by']}, estimated {route['cost_ms']:.2f} ms/token")
-    rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['seam_ms']:.3f}",
-             f"{h['hop_ms']:.3f}", f"{h['load_factor']:.2f}"] for h in route["hops"]]
-    print_table(rows, ["PEER", "LAYERS", "COMPUTE MS", "SEAM MS", "HOP MS", "LOAD"])
+          f"planned by {route['planned_by']} for entry {entry[:12] or '-'}")
+    print(f"estimated {route['cost_ms']:.3f} ms/token = compute {compute:.3f} + links {links:.3f} "
+          f"+ per hop {sum(h['hop_ms'] for h in hops):.3f}")
+    rows = [[h["peer_id"][:12], f"[{h['start']},{h['end']})", f"{h['compute_ms']:.3f}", f"{h['load_factor']:.2f}",
+             f"{h['hop_ms']:.3f}", *_link(h.get("crossing"), entry)] for h in hops]
+    if back is not None:
+        rows.append(["entry", "-", "-", "-", "-", *_link(back, entry)])
+    print_table(rows, ["PEER", "LAYERS", "COMPUTE MS", "LOAD", "HOP MS", "FROM", "RTT/2 MS", "XFER MS", "LINK"])
     return 0
 
 

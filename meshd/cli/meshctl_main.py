@@ -10,7 +10,9 @@ from pathlib import Path
 from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
 from meshd.cli.service_cmd import add_service_parser
 from meshd.cli.sim_cmd import add_sim_parser
+from meshd.links.profiles import LinkShape, LinkShapeError, parse_link_shapes
 from meshd.models import BUILTIN_NAMES
+from meshd.session import SPECULATIVE_MODES
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:
@@ -62,13 +64,30 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    wrong = [m for m in modes if m not in SPECULATIVE_MODES]
+    if not modes or wrong:
+        raise argparse.ArgumentTypeError(f"speculative modes are {', '.join(SPECULATIVE_MODES)}, got {text!r}")
+    return modes
+
+
+def _link_shapes(text: str) -> tuple[LinkShape, ...]:
+    try:
+        return parse_link_shapes(text)
+    except LinkShapeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from meshd.bench.runner import BenchConfig, main_bench
 
+    links = {shape.label: shape for shapes in args.link or [] for shape in shapes}
     cfg = BenchConfig(model=args.model, peers=args.peers, concurrency=args.concurrency,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs,
                       workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype, format=args.format,
-                      quant=args.quant)
+                      quant=args.quant, links=tuple(links.values()), speculative=args.speculative,
+                      draft_model=args.draft_model)
     name = Path(args.model).name + (f"-gguf-{args.quant}" if args.format == "gguf" else "")
     out = Path(args.out) if args.out else Path("bench-out") / f"bench-{name}.json"
     return main_bench(cfg, out)
@@ -167,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
                        "the checkpoint's)")
+    bench.add_argument("--link", action="append", type=_link_shapes, metavar="PROFILE[,PROFILE...]",
+                       help="also run every mesh with each peer's outgoing peer traffic shaped as this link: lan "
+                       "(0.5ms/1Gbit), wifi (3ms±2ms/200Mbit), wan (20ms/50Mbit) or DELAY[±JITTER]/RATE such as "
+                       "10ms/100Mbit; repeatable or comma-separated. Each shape's shaper is calibrated first and "
+                       "the report gives what it delivered next to what it was set to (default: loopback only)")
+    bench.add_argument("--speculative", type=_modes, default=("off",), metavar="MODE[,MODE...]",
+                       help="the peers' speculative decoding, each mode run on loopback and on every --link: off, "
+                       "ngram, model (needs --draft-model) or auto; with off among them the report gives each "
+                       "other mode's decode tok/s over off's (default: off)")
+    bench.add_argument("--draft-model", metavar="NAME|DIR",
+                       help="built-in model name or directory the peers draft with (--draft-model of meshd run), "
+                       "e.g. draft for the built-in trained model")
     bench.set_defaults(func=_cmd_bench)
 
     bench_relay = sub.add_parser(

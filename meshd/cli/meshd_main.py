@@ -15,6 +15,7 @@ from meshd.errors import reportable
 from meshd.logs import FORMATS as LOG_FORMATS
 from meshd.logs import LEVELS as LOG_LEVELS
 from meshd.logs import RecentRecords, configure_logging
+from meshd.session import SPECULATIVE_MODES
 
 # Busy-wait iterations of an idle OpenMP thread before it sleeps: about 0.1 ms (libgomp counts
 # roughly 100 000 per ms), longer than the gaps between a step's regions, short next to a step.
@@ -122,6 +123,22 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--compression", choices=["auto", "off", "always"],
                      help="zstd for large prefill bundles: auto: per link, where measured to save time "
                      "(default); off: never; always: every bundle of 64 KiB or more")
+    run.add_argument("--link-shape", metavar="PROFILE",
+                     help="for testing and benchmarks only: delay this peer's outgoing peer-to-peer traffic (every "
+                     "connection to another peer, dialled or accepted; not the API or control listeners) as if it "
+                     "crossed a link of this shape: lan (0.5ms/1Gbit), wifi (3ms±2ms/200Mbit), wan (20ms/50Mbit) or "
+                     "DELAY[±JITTER]/RATE such as 10ms/100Mbit. Give every peer the same one to shape both "
+                     "directions of every link")
+    run.add_argument("--speculative", choices=SPECULATIVE_MODES,
+                     help="speculative decoding for requests this peer is the entry of: each step also sends tokens "
+                     "guessed ahead, verified by the route in the same traversal, so over slow links a reply needs "
+                     "fewer traversals and stays exactly the same (default auto: --draft-model when it shares the "
+                     "model's tokenizer, else n-gram lookup over prompt and reply)")
+    run.add_argument("--draft-model", metavar="DIR",
+                     help="a small model directory with the served model's tokenizer, run on this peer to guess "
+                     "tokens ahead (meshctl model create draft makes one for the built-in trained model)")
+    run.add_argument("--max-draft-tokens", type=int, metavar="N",
+                     help="most tokens a step guesses ahead (default 8, at most 15; 0: none)")
     run.add_argument("--audit-rate", type=float, metavar="SHARE",
                      help="share of the requests this peer is the entry of that are followed by an audit of one hop "
                      "(default 0.02; 0: none): a short greedy replay of a synthetic prompt on three routes differing "
@@ -187,7 +204,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "log_level": args.log_level, "log_format": args.log_format, "ready_file": args.ready_file,
         "torch_threads": args.torch_threads,
         "compression": args.compression, "dtype": args.dtype, "device": args.device, "backend": args.backend,
-        "audit_rate": args.audit_rate, "numerics": args.numerics,
+        "audit_rate": args.audit_rate, "numerics": args.numerics, "link_shape": args.link_shape,
+        "speculative": args.speculative, "draft_model": args.draft_model, "max_draft_tokens": args.max_draft_tokens,
         "invite": getattr(args, "token", None) or args.invite, "open_mesh": args.open_mesh,
     }
     try:

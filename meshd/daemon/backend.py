@@ -100,7 +100,7 @@ class MeshBackend:
         gen = Generation(session_id=req.request_id, model_id=req.model, prompt=prompt, max_new_tokens=max_new,
                          sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63),
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs),
-                         stop_token_ids=stops)
+                         stop_token_ids=stops, speculation=self.entry.speculation(req.model, codec.tokenizer))
         reply = _Reply(codec, tools=bool(req.tools))
         last: int | None = None
         count = 0

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
+from meshd.links.profiles import parse_link_shape
 from meshd.logs import FORMATS, LEVELS
+from meshd.session import SPECULATIVE_MODES
 from meshd.settings import layered_settings, parse_size, setting, setting_list
 
 
@@ -67,6 +69,10 @@ class PeerConfig:
     torch_threads: int = setting(0, "threads for model compute; 0: every CPU this process may use")
     compression: str = setting("auto", "zstd for large prefill bundles: auto (per link, where measured to pay), "
                                "off or always")
+    link_shape: str = setting("", "for testing and benchmarks: delay this peer's outgoing peer-to-peer traffic (every "
+                              "connection to another peer, dialled or accepted; not the API) as if it crossed a link "
+                              "of this shape: lan, wifi, wan or DELAY[±JITTER]/RATE, e.g. 10ms/100Mbit "
+                              "(docs/benchmarks.md); \"\": not shaped")
     tracker_eligible: bool = setting(True, "whether this peer may take the tracker role")
     probe_interval_s: float = setting(0.5, "seconds between gossip probes of a random peer")
     probe_timeout_s: float = setting(0.4, "seconds a probe waits for its answer")
@@ -77,6 +83,14 @@ class PeerConfig:
     card_budget: int = setting(2048, "bytes per second of capability cards from the whole mesh, which is what each "
                                "peer receives: in a large mesh a peer re-issues its card only every peers x card "
                                "size / card_budget seconds (load shown in cards ages accordingly), e.g. \"2KiB\"")
+    speculative: str = setting("auto", "speculative decoding as the entry of a request: each step also sends tokens "
+                               "guessed ahead, which the route verifies in the same traversal (replies stay exactly "
+                               "the same): auto (draft_model when it shares the model's tokenizer, else n-gram "
+                               "lookup over prompt and reply), ngram, model or off")
+    draft_model: Path | None = setting(None, "a small model directory with the served model's tokenizer, run on this "
+                                       "peer to guess tokens ahead (see speculative)")
+    max_draft_tokens: int = setting(8, "most tokens one step guesses ahead (how many is measured per session, up to "
+                                    "this; at most 15)")
     step_timeout_s: float = setting(30.0, "a hop that sends nothing for this many seconds has failed")
     request_timeout_s: float = setting(600.0, "a whole request's deadline in seconds")
     repair_attempts: int = setting(5, "routes tried for one generation before giving up")
@@ -102,6 +116,14 @@ class PeerConfig:
     ready_file: Path | None = setting(None, "write this peer's status as JSON here once it listens (for scripts)")
 
     def __post_init__(self) -> None:
+        from meshd.wire.bundle import MAX_DRAFT_TOKENS
+
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative is one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
+        if not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_draft_tokens is between 0 and {MAX_DRAFT_TOKENS}, not {self.max_draft_tokens}")
+        if self.speculative == "model" and self.draft_model is None:
+            raise ValueError("speculative = model needs draft_model")
         if not 0 <= self.audit_rate <= 1:
             raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
         for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget"):
@@ -144,6 +166,7 @@ _CONVERTERS: dict[str, Any] = {
     "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
     "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
+    "link_shape": lambda v: parse_link_shape(v).label if str(v).strip() else "",
     "log_level": lambda v: _choice(v, LEVELS),
     "log_format": lambda v: _choice(v, FORMATS),
 }

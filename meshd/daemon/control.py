@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
 from meshd.admission import NotAdmitter
-from meshd.daemon.status import models_table, peer_status, peers_table, sessions_table
+from meshd.daemon.status import models_table, peer_status, peers_table, route_as_json, sessions_table
 from meshd.stats import percentiles
 from meshd.tracker.routing import NoRouteError
 
@@ -62,12 +61,7 @@ def build_control_app(peer: Peer) -> Starlette:
             planned = await peer.routes.route_for(model)
         except NoRouteError as exc:
             return JSONResponse({"error": str(exc), "missing": exc.missing}, status_code=503)
-        chosen = planned.route
-        return JSONResponse({
-            "model": chosen.model_id, "compat_key": chosen.compat_key, "epoch": chosen.epoch,
-            "cost_ms": chosen.cost_ms, "planned_by": planned.source,
-            "hops": [asdict(t) for t in chosen.terms],
-        })
+        return JSONResponse(route_as_json(planned.route, planned.source))
 
     async def stats(request: Request) -> JSONResponse:
         summary = peer.hops.stats.summary()
@@ -75,9 +69,13 @@ def build_control_app(peer: Peer) -> Starlette:
         summary["repair_ms"] = {pos: percentiles(v) for pos, v in repair_ms.items()}
         if peer.served is not None:
             summary["batches"] = peer.served.host.batcher.stats.summary()
+        if peer.entry is not None:
+            summary["speculation"] = peer.entry.draft_summary()
         if request.query_params.get("reset"):
             peer.hops.stats.reset()
             repair_ms.clear()
+            if peer.entry is not None:
+                peer.entry.drafts.clear()
             if peer.served is not None:
                 peer.served.host.batcher.stats.reset()
         return JSONResponse(summary)

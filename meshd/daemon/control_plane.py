@@ -27,6 +27,7 @@ from meshd.identity import Identity
 from meshd.metrics import PeerMetrics
 from meshd.rpc import RpcFailed, call
 from meshd.tracker.duties import Order, TrackerDuties
+from meshd.tracker.links import drifted
 from meshd.tracker.view import MeshView
 from meshd.transport.streams import StreamOpener
 from meshd.wire import admission_pb2 as apb
@@ -37,6 +38,7 @@ from meshd.wire import rpc_pb2 as pb
 log = logging.getLogger("meshd.peer")
 
 TICK_S = 0.25
+LINKS_REFRESH_S = 2.0  # how often the card's link measures are brought up to date
 PLACEMENT_SEND_TIMEOUT_S = 5.0
 
 
@@ -134,6 +136,7 @@ class ControlPlane:
         self.started_at = time.time()
         self.core = ControlCore(self.gossip, self.election, JoinGate(config, self.started_at))
         self._nursery: trio.Nursery | None = None
+        self._links_checked = 0.0
         self.on_accusation: Callable[[aupb.SignedAccusation], None] | None = None  # the audits' to judge
 
     @property
@@ -152,10 +155,27 @@ class ControlPlane:
         """Spread a revocation this peer signed; the revoked peer is dropped here at once."""
         self.perform(self.core.settle(self.gossip.revoke(signed, time.time()), time.time()))
 
+    def own_card(self) -> cpb.CapabilityCard:
+        """What this peer's card says now: the host's part, and the links this peer measured."""
+        card = self.card()
+        card.links.extend(self.view.published_links())
+        return card
+
     def republish_card(self) -> None:
         assert self.gossip.issuer is not None
-        self.gossip.issuer.template = self.card()
+        self.gossip.issuer.template = self.own_card()
         self.gossip.republish(time.time())
+
+    def refresh_links(self) -> None:
+        """Issue a card when the measured links moved (see :func:`meshd.tracker.links.drifted`);
+        otherwise the latest figures only wait in the template for the next card issued anyway."""
+        assert self.gossip.issuer is not None
+        held = self.gossip.store.get(self.peer_id)
+        fresh = self.own_card()
+        if held is not None and drifted(held.card.links, fresh.links):
+            self.republish_card()
+        else:
+            self.gossip.issuer.template = fresh
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -174,6 +194,9 @@ class ControlPlane:
         # the tracker must be directly reachable: every peer asks it for routes
         may_claim = self.config.tracker_eligible and not self.leaving and self.directly_reachable()
         self.perform(self.core.tick(now, may_claim))
+        if not self.leaving and now - self._links_checked >= LINKS_REFRESH_S:
+            self._links_checked = now
+            self.refresh_links()
         if self.election.tracker(now) == self.peer_id:
             for order in self.duties.placement_orders(self.view.offers(), now):
                 self._start(self._send_placement, order)
@@ -208,16 +231,16 @@ class ControlPlane:
             peer_id, address = send.to, self.view.address_of(send.to)
         if address is None:
             return
+        request = pb.PeerRequest(gossip=send.message)
         started = time.monotonic()
         self.metrics.gossip.labels("sent").inc()
         try:
-            await call(self.opener, peer_id, address, pb.PeerRequest(gossip=send.message),
-                       timeout=max(1.0, self.config.probe_timeout_s * 2))
+            await call(self.opener, peer_id, address, request, timeout=max(1.0, self.config.probe_timeout_s * 2))
         except RpcFailed as exc:
             log.debug("gossip to %s failed: %s", address, exc)
             return
         if peer_id is not None:
-            self.view.record_rtt(peer_id, (time.monotonic() - started) * 1000, time.time())
+            self.view.record_rtt(peer_id, (time.monotonic() - started) * 1000, time.time(), request.ByteSize())
 
     async def _send_placement(self, order: Order) -> None:
         address = self.view.address_of(order.peer_id)
@@ -240,7 +263,7 @@ class ControlPlane:
         return pb.Accepted()
 
     async def on_route(self, sender: str, request: pb.RouteRequest) -> pb.RouteReply | pb.NoRoute:
-        return self.duties.route_reply(request, self.view.offers(), self.view.rtt_of)
+        return self.duties.route_reply(request, self.view.offers(), self.view.links(), entry=sender)
 
     def check_tracker(self, sender: str) -> None:
         """Raise unless ``sender`` holds the tracker lease now."""

@@ -135,9 +135,11 @@ def budgets_for_split(model_dir: Path, parts: int) -> list[int]:
 
 class LocalMesh:
     def __init__(self, workdir: Path, *, log_level: str = "info", env: dict[str, str] | None = None,
-                 open_mesh: bool = False) -> None:
+                 open_mesh: bool = False, link_shape: str | None = None) -> None:
+        """``link_shape``: every peer started here shapes its outgoing peer traffic so (``--link-shape``)."""
         self.workdir = Path(workdir)
         self.open_mesh = open_mesh
+        self.link_shape = link_shape
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_level = log_level
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
@@ -173,6 +175,8 @@ class LocalMesh:
             args += ["--layers", f"{layers[0]}:{layers[1]}"]
         if self.open_mesh:
             args += ["--open-mesh"]
+        if self.link_shape:
+            args += ["--link-shape", self.link_shape]
         live = self.live() if bootstrap else []
         if live and self.open_mesh:
             args += ["--bootstrap", live[0].listen]

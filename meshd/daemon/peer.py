@@ -35,9 +35,10 @@ from meshd.daemon.control import build_control_app
 from meshd.daemon.control_plane import ControlPlane
 from meshd.daemon.reachability import Reachability
 from meshd.daemon.status import peer_status
-from meshd.errors import MeshError
+from meshd.errors import MeshError, ModelFormatError
 from meshd.files import write_atomically
 from meshd.identity import Identity
+from meshd.links.profiles import parse_link_shape
 from meshd.logs import RecentRecords
 from meshd.metrics import Levels, PeerMetrics, metrics_app
 from meshd.models.artifacts import ModelFilesCache
@@ -50,6 +51,7 @@ from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
 from meshd.runtime.served_model import CheckRefused, PlacementRefused, ServedModel
 from meshd.session import messages as seam
+from meshd.session.drafting import DraftModel
 from meshd.session.entry import EntryConfig, EntrySessions
 from meshd.session.hop import HopService
 from meshd.session.hop_state import AdmissionLimits
@@ -97,7 +99,11 @@ class Peer:
                                     control=config.control, metrics=config.metrics)
         self.metrics = PeerMetrics()
         self.metrics.watch(self._levels)
-        self.transport = Transport(self.identity)
+        link_shape = parse_link_shape(config.link_shape) if config.link_shape else None
+        if link_shape is not None:
+            log.warning("link shaping is on (for testing and benchmarks): every byte this peer sends to peers "
+                        "travels a modelled %s link (%s)", link_shape.label, link_shape.spec)
+        self.transport = Transport(self.identity, link_shape=link_shape)
         self.served: ServedModel | None = None
         self.model_error = ""  # why the configured model is not offered at all (it could not be read)
         if config.model is not None:
@@ -291,6 +297,19 @@ class Peer:
             raise CheckRefused("this peer offers no model")
         return await self.served.serve_speed_check(sender, check)
 
+    async def _draft_model(self) -> DraftModel | None:
+        """The draft model speculative decoding guesses with, loaded off the event loop; None when not
+        configured (or when speculation is off)."""
+        cfg = self.config
+        if cfg.draft_model is None or cfg.speculative == "off":
+            return None
+        try:
+            model = await trio.to_thread.run_sync(DraftModel, cfg.draft_model)
+        except Exception as exc:  # whatever transformers raises for a directory that is not a model
+            raise ModelFormatError(f"the draft model {cfg.draft_model} cannot be loaded: {exc}") from None
+        log.info("draft model %s loaded for speculative decoding", cfg.draft_model)
+        return model
+
     async def _codec_for(self, model_id: str, compat_key: str) -> TextCodec:
         return await self.files.codec_for(model_id, compat_key, self.control.view.sources_of)
 
@@ -380,7 +399,9 @@ class Peer:
                 async with trio.open_nursery() as sessions:
                     entry = EntryConfig(chunk_tokens=cfg.chunk_tokens, step_timeout_s=cfg.step_timeout_s,
                                         request_timeout_s=cfg.request_timeout_s,
-                                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s))
+                                        repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s),
+                                        speculative=cfg.speculative, max_draft_tokens=cfg.max_draft_tokens,
+                                        draft_model=await self._draft_model())
                     self.entry = EntrySessions(self.peer_id, self.transport, self.routes, entry, sessions,
                                                metrics=self.metrics)
                     # audit replays run on exactly the route they are given: no repair

@@ -1,13 +1,14 @@
-"""What ``meshctl status`` and ``meshctl peers`` show: this peer, and every peer it knows, as JSON."""
+"""What ``meshctl status``, ``peers``, ``models``, ``route`` and ``sessions`` show, as JSON."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from meshd import __version__
 from meshd.gossip import MemberState
-from meshd.tracker.view import relayed_through
+from meshd.tracker.view import Route, relayed_through
 
 if TYPE_CHECKING:
     from meshd.daemon.peer import Peer
@@ -48,6 +49,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
                    "excluded": sorted(peer.audits.excluded()), "running": peer.auditor.running if peer.auditor else 0},
         "uptime_s": round(now - control.started_at, 1),
         "reachability": peer.reachability.status(),
+        "link_shape": link.spec if (link := peer.transport.config.link_shape) else None,
     }
 
 
@@ -73,12 +75,21 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
                        for m in card.models],
             "device": card.hardware.device, "device_memory_bytes": card.hardware.device_memory_bytes,
             "active_sessions": card.load.active_sessions, "queued": card.load.queued,
-            "rtt_ms": None if peer_id == peer.peer_id else view.rtt_ms.get(peer_id),
+            "rtt_ms": None if peer_id == peer.peer_id else view.meter.rtt_ms(peer_id),
             "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
             "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
             "audit": peer.audits.of(peer_id), "demoted": demoted.get(peer_id), "speed": peer.speed.of(peer_id),
         })
     return rows
+
+
+def route_as_json(route: Route, planned_by: str) -> dict[str, Any]:
+    """A planned route with its cost terms (schema: meshd/cli/schemas/route.json)."""
+    return {
+        "model": route.model_id, "compat_key": route.compat_key, "epoch": route.epoch, "cost_ms": route.cost_ms,
+        "planned_by": planned_by, "entry": route.entry, "hops": [asdict(t) for t in route.terms],
+        "back": None if route.back is None else asdict(route.back),
+    }
 
 
 def models_table(peer: Peer) -> list[dict[str, Any]]:
@@ -93,7 +104,7 @@ def models_table(peer: Peer) -> list[dict[str, Any]]:
         mine = [o for o in offers if o.model_id == model_id]
         n_layers = max(o.n_layers for o in mine)
         try:
-            plan_route(model_id, offers, view.rtt_of)
+            plan_route(model_id, offers, view.links())
             missing: list[list[int]] = []
         except NoRouteError as exc:
             missing = [list(r) for r in exc.missing]

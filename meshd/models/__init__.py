@@ -2,4 +2,4 @@
 
 # the built-in models' names, importable without torch (meshctl's argument parser needs them);
 # meshd.models.builtin defines each and checks it defines exactly these
-BUILTIN_NAMES = ("bench", "tiny")
+BUILTIN_NAMES = ("bench", "draft", "tiny", "trained")

@@ -1,11 +1,13 @@
 """The built-in models: small Llama-family models generated deterministically on the machine.
 
-``tiny`` is for tests, ``bench`` for performance work (shapes in docs/models.md). Both are written as
+``tiny`` is for tests, ``bench`` for performance work (shapes in docs/models.md); ``trained`` and its
+speculative draft ``draft`` learn English on the machine instead of drawing random weights
+(meshd/models/trained.py), for the measurements that need real statistics. All are written as
 ordinary Hugging Face directories — ``config.json``, safetensors weights (``bench`` split into
 several files with an index, so that partial loading is real), a tokenizer with a chat template —
 so every code path that loads a real model is exercised, and no byte is downloaded.
 
-Determinism: every tensor is drawn from its own generator, seeded from the model seed and the
+Determinism: every random tensor is drawn from its own generator, seeded from the model seed and the
 tensor's name, and every file is written with sorted keys; the same name gives the same bytes.
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from meshd.files import staged_directory
@@ -42,6 +45,7 @@ class BuiltinSpec:
     max_positions: int
     tie_embeddings: bool
     weight_files: int
+    trained: bool = False  # weights learned by meshd.models.trained rather than drawn at random
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -52,6 +56,17 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "bench": BuiltinSpec(
         name="bench", seed=2, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
         intermediate_size=2816, vocab_size=32000, max_positions=4096, tie_embeddings=False, weight_files=4,
+    ),
+    # about a tenth of ``trained``'s parameters, the same tokenizer: its speculative draft
+    "draft": BuiltinSpec(
+        name="draft", seed=4, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+        intermediate_size=384, vocab_size=2048, max_positions=2048, tie_embeddings=True, weight_files=1,
+        trained=True,
+    ),
+    "trained": BuiltinSpec(
+        name="trained", seed=3, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=768, vocab_size=2048, max_positions=2048, tie_embeddings=True, weight_files=1,
+        trained=True,
     ),
 }
 assert tuple(sorted(BUILTIN_MODELS)) == BUILTIN_NAMES, "meshd.models.BUILTIN_NAMES lists the built-in models"
@@ -135,6 +150,25 @@ def _file_for(name: str, n_layers: int, n_files: int) -> int:
     return 0 if "embed_tokens" in name else n_files - 1
 
 
+def write_metadata(out_dir: Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
+                   layout: TokenizerLayout = BUILTIN_LAYOUT, tokenizer: Tokenizer | None = None) -> None:
+    """Write everything of a model directory but its weights: ``config.json`` (weights stored as
+    ``dtype``), ``generation_config.json`` and the tokenizer files (``tokenizer``, else the generated one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_dict = config.to_dict()
+    config_dict.pop("transformers_version", None)
+    config_dict["dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    ids = dict(layout.specials)
+    generation = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": [ids[t] for t in layout.stop_tokens] if layout.stop_tokens else config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    write_tokenizer(out_dir, config.vocab_size, config.max_position_embeddings, layout, tokenizer)
+
+
 def write_model(
     out_dir: Path,
     config: PretrainedConfig,
@@ -147,20 +181,8 @@ def write_model(
     """Write a complete Hugging Face model directory with deterministic random weights, stored as
     ``dtype`` and laid out as the family's own checkpoints are."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _msg: None)
-    config_dict = config.to_dict()
-    config_dict.pop("transformers_version", None)
-    config_dict["dtype"] = str(dtype).removeprefix("torch.")
-    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    ids = dict(layout.specials)
-    generation = {
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": [ids[t] for t in layout.stop_tokens] if layout.stop_tokens else config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out_dir, config.vocab_size, config.max_position_embeddings, layout)
+    write_metadata(out_dir, config, dtype, layout)
 
     shapes = _parameter_shapes(config)
     n_layers = config.num_hidden_layers
@@ -192,7 +214,7 @@ def write_model(
 
 
 def create_builtin(name: str, out_dir: Path, progress: ProgressFn | None = None, force: bool = False) -> Path:
-    """Create the built-in model ``name`` (``tiny`` or ``bench``) in ``out_dir``.
+    """Create the built-in model ``name`` (one of ``BUILTIN_NAMES``) in ``out_dir``.
 
     The files are written to a temporary sibling directory and moved into place at the end, so an
     interrupted run never leaves a half-written model behind.
@@ -205,9 +227,13 @@ def create_builtin(name: str, out_dir: Path, progress: ProgressFn | None = None,
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} already exists and is not empty (use --force to replace it)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    config = make_config("llama", spec)
     with staged_directory(out_dir) as staging:
-        write_model(staging, config, spec.seed, spec.weight_files, progress)
+        if spec.trained:
+            from meshd.models.trained import train_builtin
+
+            train_builtin(name, staging, progress)
+        else:
+            write_model(staging, make_config("llama", spec), spec.seed, spec.weight_files, progress)
     return out_dir
 
 

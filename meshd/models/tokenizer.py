@@ -3,17 +3,20 @@
 The vocabulary is the 256 byte symbols of GPT-2-style byte-level BPE, a handful of special tokens,
 and, for larger vocabularies, merges generated in a fixed order (character bigrams, then trigrams,
 then four-grams over a fixed alphabet). The result is an ordinary ``tokenizers`` BPE model that
-``transformers.AutoTokenizer`` loads like any other.
+``transformers.AutoTokenizer`` loads like any other. Models trained on the machine learn their merges
+from their training text instead (:func:`train_tokenizer`), with the same byte symbols, special tokens
+and pre-tokenizer, so the chat template and the stop tokens work alike.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>")
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
@@ -88,18 +91,51 @@ def build_tokenizer(vocab_size: int, layout: TokenizerLayout = BUILTIN_LAYOUT) -
     merges = _merges(n_merges, byte_symbols)
     for a, b in merges:
         vocab[a + b] = next(free)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([t for t, _ in sorted(layout.specials, key=lambda s: s[1])])
+    tok = _byte_level(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.add_special_tokens(_specials_in_id_order(layout))
     if tok.get_vocab_size() != vocab_size:
         raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
     return tok
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int, layout: TokenizerLayout = BUILTIN_LAYOUT) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json``, with the chat template in it or beside it."""
-    tok = build_tokenizer(vocab_size, layout)
+def train_tokenizer(texts: Sequence[str], vocab_size: int, layout: TokenizerLayout = BUILTIN_LAYOUT) -> Tokenizer:
+    """A byte-level BPE tokenizer whose merges are learnt from ``texts``: the special tokens first (ids
+    0..n-1, so the layout must number them so), the 256 byte symbols, then merges up to ``vocab_size``.
+
+    The trainer is deterministic for byte-level BPE: its alphabet is sorted and equal pair counts are
+    broken by pair ids, which follow from that order; the same texts give the same file."""
+    specials = _specials_in_id_order(layout)
+    if [i for _, i in sorted(layout.specials, key=lambda s: s[1])] != list(range(len(specials))):
+        raise ValueError("a trained tokenizer keeps its special tokens at ids 0..n-1")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok = _byte_level(models.BPE(fuse_unk=False))
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the text yields {tok.get_vocab_size()} ids, not {vocab_size}: too little text")
+    return tok
+
+
+def _byte_level(model: models.Model) -> Tokenizer:
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _specials_in_id_order(layout: TokenizerLayout) -> list[str]:
+    return [t for t, _ in sorted(layout.specials, key=lambda s: s[1])]
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int, layout: TokenizerLayout = BUILTIN_LAYOUT,
+                    tokenizer: Tokenizer | None = None) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json``, with the chat template in it or beside it.
+
+    ``tokenizer`` is one built elsewhere (a trained one) with ``vocab_size`` ids and the layout's special
+    tokens at their ids; by default the generated one of :func:`build_tokenizer`."""
+    tok = tokenizer or build_tokenizer(vocab_size, layout)
+    if tok.get_vocab_size() != vocab_size or any(tok.token_to_id(t) != i for t, i in layout.specials):
+        raise ValueError(f"the tokenizer must have {vocab_size} ids and the layout's special tokens at their ids")
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=False), encoding="utf-8")
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -30,20 +30,35 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class DecodeRows:
-    """The cache of a decode step over ``sessions``: it appends each session's new keys and values to
-    that session's own cache and keeps, for the layer being computed, each session's whole history
-    and attention mask for :func:`attention` to use."""
+    """The cache of a decode step over rows of ``sessions`` (row ``r`` the token at ``positions[r]``
+    of ``sessions[r]``; a session with drafted tokens has several consecutive rows): it appends each
+    session's new keys and values to that session's own cache and keeps, for the layer being
+    computed, each row's history up to its own position and its attention mask, for
+    :func:`attention` to use."""
 
-    def __init__(self, sessions: list[Any], masks: dict[int | None, list[torch.Tensor | None]]) -> None:
+    def __init__(self, sessions: list[Any], masks: dict[int | None, list[torch.Tensor | None]],
+                 positions: list[int]) -> None:
         self.sessions = sessions
-        self.masks = masks  # by sliding window: one boolean mask (or None) per session
+        self.positions = positions
+        self.masks = masks  # by sliding window: one boolean mask (or None) per row
         self.window: int | None = None  # set by the shard before each layer
         self.current: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
                **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        self.current = [session.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)
-                        for b, session in enumerate(self.sessions)]
+        self.current = []
+        start = 0
+        while start < len(self.sessions):
+            end = start + 1
+            while end < len(self.sessions) and self.sessions[end] is self.sessions[start]:
+                end += 1
+            # the rows' [n, heads, 1, dim] states as one session's [1, heads, n, dim] keys, in position order
+            keys, values = self.sessions[start].update(key_states[start:end].transpose(0, 2),
+                                                       value_states[start:end].transpose(0, 2), layer_idx)
+            for r in range(start, end):
+                seen = self.positions[r] + 1
+                self.current.append((keys[..., :seen, :], values[..., :seen, :]))
+            start = end
         return key_states, value_states  # placeholders: attention reads ``current``
 
 

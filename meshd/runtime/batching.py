@@ -3,8 +3,9 @@
 Each session's hop calls :meth:`StepBatcher.submit` with one bundle and waits for its result. While the
 shard computes, new steps queue up; when it is free again, whoever holds the turn takes a *cycle*:
 
-- every queued decode step (one token, one per session, oldest first, at most ``max_batch``) as one
-  batched forward, whose results are handed out as soon as it ends;
+- every queued decode step (one per session, oldest first, at most ``max_batch``; a step with
+  drafted tokens brings a row for each) as one batched forward, whose results are handed out as
+  soon as it ends;
 - then the oldest queued prefill chunk, alone.
 
 So a session joins the batch by having a step queued and leaves it by not having one; decode steps
@@ -94,7 +95,7 @@ class _Step:
     @property
     def batchable(self) -> bool:
         b = self.bundle
-        return b.phase == Phase.DECODE and b.token_count == 1 and b.start_position > 0
+        return b.phase == Phase.DECODE and b.start_position > 0
 
     def finish(self, outcome: StepResult | BaseException, compute_s: float = 0.0) -> None:
         if isinstance(outcome, BaseException):

@@ -8,7 +8,7 @@ sends the very same bundles over HTTP/2 seams.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,17 +35,21 @@ def input_bundles(
     head_range: tuple[int, int],
     sampling: Sampling,
     step: int = 0,
+    draft: Sequence[int] = (),
 ) -> Iterator[HiddenStateBundle]:
     """The head's input bundles for ``token_ids``: prefill chunks of at most ``chunk_tokens`` tokens
-    (the last one asks the tail to sample), or one decode bundle when ``step > 0``."""
+    (the last one asks the tail to sample), or one decode bundle when ``step > 0``: its token, and
+    the ``draft`` tokens after it for the route to verify."""
+    if draft and (step == 0 or len(token_ids) != 1):
+        raise ValueError("drafted tokens follow the one token of a decode step")
     whole = HiddenStateBundle(
         session_id=session_id, epoch=epoch, step=step, phase=Phase.DECODE if step > 0 else Phase.PREFILL,
-        start_position=start_position, token_count=len(token_ids),
-        tensors={INPUT_IDS: torch.tensor(list(token_ids), dtype=torch.long)},
+        start_position=start_position, token_count=len(token_ids) + len(draft),
+        tensors={INPUT_IDS: torch.tensor([*token_ids, *draft], dtype=torch.long)},
         range_start=head_range[0], range_end=head_range[1], sample=True,
-        sampling=sampling if start_position == 0 else None,
+        sampling=sampling if start_position == 0 else None, draft=tuple(draft),
     )
-    yield from whole.chunks(chunk_tokens)
+    yield from (whole.chunks(chunk_tokens) if not draft else [whole])
 
 
 class LocalChain:
@@ -87,27 +91,41 @@ class LocalChain:
         eos_token_id: int | None = None,
         session_id: str | None = None,
         epoch: int = 0,
+        draft: Callable[[Sequence[int], int], Sequence[int]] | None = None,
+        draft_tokens: int = 4,
     ) -> Generation:
+        """Generate up to ``max_new_tokens``; with ``draft`` (``draft(context, k)`` -> guesses), each decode
+        step also carries up to ``draft_tokens`` guessed tokens for the shards to verify."""
         sampling = sampling or Sampling()
         session_id = session_id or uuid.uuid4().hex
         head = (self.shards[0].spec.start, self.shards[0].spec.end)
         out = Generation(tokens=[])
         try:
             pending: list[int] = list(prompt)
-            position = 0
-            for step in range(max_new_tokens):
+            position, step = 0, 0
+            while len(out.tokens) < max_new_tokens:
+                guesses: list[int] = []
+                room = min(draft_tokens, max_new_tokens - len(out.tokens) - 1)
+                if step > 0 and draft is not None and room > 0:
+                    guesses = [int(t) for t in draft([*prompt, *out.tokens], room)][:room]
                 result = None
-                for b in input_bundles(session_id, epoch, pending, position, chunk_tokens, head, sampling, step):
+                for b in input_bundles(session_id, epoch, pending, position, chunk_tokens, head, sampling, step,
+                                       guesses):
                     result = self.step(b)
-                position += len(pending)
                 assert result is not None and result.token is not None
-                out.tokens.append(result.token)
-                if result.logits is not None:
-                    out.logits.append(result.logits)
-                if eos_token_id is not None and result.token == eos_token_id:
-                    out.finish_reason = "stop"
+                for sampled in (result, *result.following):
+                    if len(out.tokens) >= max_new_tokens or out.finish_reason == "stop":
+                        break
+                    assert sampled.token is not None
+                    out.tokens.append(sampled.token)
+                    if sampled.logits is not None:
+                        out.logits.append(sampled.logits)
+                    if eos_token_id is not None and sampled.token == eos_token_id:
+                        out.finish_reason = "stop"
+                if out.finish_reason == "stop":
                     break
-                pending = [result.token]
+                step += 1
+                pending, position = [out.tokens[-1]], len(prompt) + len(out.tokens) - 1
         finally:
             for shard in self.shards:
                 shard.release(session_id, epoch)

@@ -37,6 +37,7 @@ class SessionKV:
     key: SessionKey
     sampling: Sampling
     length: int = 0
+    confirmed: int = 0  # tokens certainly accepted; the next step may drop drafted positions past them
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     last_used: float = 0.0
@@ -60,6 +61,7 @@ class SessionKV:
                 elif tensor.shape[-2] > length:
                     store[layer] = tensor[..., :length, :].clone()
         self.length = length
+        self.confirmed = min(self.confirmed, length)
 
     @property
     def nbytes(self) -> int:

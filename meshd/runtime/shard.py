@@ -7,6 +7,12 @@ holds before computing: the layer range, the input tensor's dtype and shape, and
 
 Prefill chunks run one at a time; decode steps run through one code path whether one session or
 many take part, so that a session's tokens never depend on the others (:mod:`meshd.runtime.numerics`).
+
+A decode step may carry drafted tokens after its first (speculative decoding): each of its positions
+is computed as a row of a decode step of its own, attending over exactly the positions before it, so
+its logits are those one-token steps would give. The tail samples each row at its position and stops
+at the first sample that differs from the draft; the next step of the session starts right after the
+last accepted token, and every shard drops the KV of the positions past it then.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ class ShardSpec:
 
 @dataclass
 class StepResult:
-    """What one shard produced for one bundle: hidden states for the next hop, or a token.
+    """What one shard produced for one bundle: hidden states for the next hop, or a token (and, for a
+    step with drafted tokens, the tokens the tail accepted after it).
 
     ``queue_ms`` and ``compute_ms`` are filled in by the host that ran the step: the time the step
     waited for the compute thread (other steps, handing over to the thread and back) and the time its
@@ -73,6 +80,7 @@ class StepResult:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     queue_ms: float = 0.0
     compute_ms: float = 0.0
+    following: list[StepResult] = field(default_factory=list)  # a verified step: tokens accepted after ``token``
 
 
 def resolve_dtype(requested: str | torch.dtype, model_dir: Path) -> torch.dtype:
@@ -242,7 +250,7 @@ class Shard:
             if before == 0:
                 self.kv.release(key)
             raise
-        session.length = before + bundle.token_count
+        session.length = session.confirmed = before + bundle.token_count
         if key not in self.kv:  # released (client gone, hop leaving) while this step ran
             raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
         self.kv.commit(key)
@@ -255,8 +263,9 @@ class Shard:
         an unknown session, a prefill, a second step of a session already in the batch) gets its
         error in its slot and the rest run without it. The sessions' positions and KV lengths may
         all differ: each session's keys and values stay in its own cache, and each session attends
-        over exactly its own. If the compute itself fails, every session is rolled back and each step
-        is run again on its own, so an error stays with the step causing it.
+        over exactly its own. A step with drafted tokens adds one row per position. If the compute
+        itself fails, every session is rolled back and each step is run again on its own, so an
+        error stays with the step causing it.
         """
         results: list[StepResult | Exception | None] = [None] * len(bundles)
         ready: list[tuple[int, torch.Tensor, SessionKV]] = []
@@ -264,8 +273,10 @@ class Shard:
         for i, bundle in enumerate(bundles):
             try:
                 x = self._check(bundle)
-                if bundle.phase != Phase.DECODE or bundle.token_count != 1 or bundle.start_position == 0:
-                    raise BundleError("only single-token decode steps of running sessions are batched")
+                if bundle.phase != Phase.DECODE or bundle.start_position == 0:
+                    raise BundleError("only decode steps of running sessions are batched")
+                if bundle.token_count != 1 + len(bundle.draft) or (bundle.draft and not bundle.sample):
+                    raise BundleError("a decode step carries one token and the drafted ones the tail verifies")
                 key = (bundle.session_id, bundle.epoch)
                 if key in seen:
                     raise BundleError(f"session {bundle.session_id!r} has two steps in one batch")
@@ -282,9 +293,12 @@ class Shard:
                 results[i] = self._forward_or_error(bundles[i])
             return results  # type: ignore[return-value]
         sessions = [s for _, _, s in ready]
+        steps = [bundles[i] for i, _, _ in ready]
         before = [s.length for s in sessions]
         try:
-            outs = self._compute_decode([x for _, x, _ in ready], sessions, [bundles[i] for i, _, _ in ready])
+            outs = self._compute_decode([x for _, x, _ in ready], sessions, steps)
+            finished = [self._decode_result(out, session, bundle)
+                        for out, session, bundle in zip(outs, sessions, steps, strict=True)]
         except Exception as exc:
             for session, length in zip(sessions, before, strict=True):
                 session.truncate(length)
@@ -294,15 +308,39 @@ class Shard:
                 for i, _, _ in ready:
                     results[i] = self._forward_or_error(bundles[i])
             return results  # type: ignore[return-value]
-        for (i, _, session), out in zip(ready, outs, strict=True):
-            session.length += 1
+        for (i, _, session), bundle, result in zip(ready, steps, finished, strict=True):
+            session.length = bundle.end_position
+            session.confirmed = bundle.start_position + 1  # the drafted positions stay open until the next step
             try:
                 self.kv.commit(session.key)
             except Exception as exc:
                 results[i] = exc
             else:
-                results[i] = out
+                results[i] = result
         return results  # type: ignore[return-value]
+
+    def _decode_result(self, out: torch.Tensor | None, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
+        """What a decode step gives: its rows' hidden states, or (the tail) the tokens it accepts."""
+        if not self.spec.is_tail:
+            return StepResult(hidden_states=out)
+        if out is None:
+            return StepResult()
+        return self._verified(out, session.sampling, bundle)
+
+    def _verified(self, logits: torch.Tensor, sampling: Sampling, bundle: HiddenStateBundle) -> StepResult:
+        """The tokens of a decode step, one per row of ``logits``, sampled at their positions, for as
+        long as each equals the drafted token that the next row was computed on."""
+        first: StepResult | None = None
+        for row in range(bundle.token_count):
+            result = self._sampled(logits[row], sampling, bundle.start_position + 1 + row)
+            if first is None:
+                first = result
+            else:
+                first.following.append(result)
+            if row >= len(bundle.draft) or result.token != bundle.draft[row]:
+                break
+        assert first is not None
+        return first
 
     def _forward_or_error(self, bundle: HiddenStateBundle) -> StepResult | Exception:
         try:
@@ -325,6 +363,8 @@ class Shard:
     def _session_at(self, bundle: HiddenStateBundle) -> SessionKV:
         """The running session a bundle continues, checked to hold exactly the tokens before it."""
         session = self.kv.get((bundle.session_id, bundle.epoch))
+        if bundle.phase == Phase.DECODE and session.confirmed <= bundle.start_position < session.length:
+            session.truncate(bundle.start_position)  # drafted positions the tail did not accept
         if bundle.start_position != session.length:
             raise PositionMismatch(
                 f"bundle starts at position {bundle.start_position}, "
@@ -377,29 +417,48 @@ class Shard:
 
     @torch.inference_mode()
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
-                        bundles: list[HiddenStateBundle]) -> list[StepResult]:
-        """One decode token for each of ``len(sessions)`` sessions, as a ``[B, 1, hidden]`` step."""
-        lengths = [s.length for s in sessions]
-        masks = {w: [_decode_mask(length, w, self.device) for length in lengths] for w in set(self.windows)}
-        rows = DecodeRows(sessions, masks)
+                        bundles: list[HiddenStateBundle]) -> list[torch.Tensor | None]:
+        """One decode step over every position of ``bundles`` (one row each): per bundle its rows'
+        hidden states ``[n, hidden]``, or on the tail their logits ``[n, vocab]`` (None unsampled).
+
+        A shard whose rows are not batch-invariant (:func:`rows_align`) computes a step's rows one
+        after another, each as a step of its own."""
+        rows = [(b, offset) for b, bundle in enumerate(bundles) for offset in range(bundle.token_count)]
+        inputs = [xs[b][offset : offset + 1] for b, offset in rows]
+        positions = [bundles[b].start_position + offset for b, offset in rows]
+        if len(rows) > 1 and not self.batch_invariant:
+            outs = [out for r, (b, _) in enumerate(rows)
+                    for out in self._decode_rows([inputs[r]], [sessions[b]], [positions[r]])]
+        else:
+            outs = self._decode_rows(inputs, [sessions[b] for b, _ in rows], positions)
+        grouped: list[torch.Tensor | None] = []
+        at = 0
+        for bundle in bundles:
+            part = torch.cat(outs[at : at + bundle.token_count])
+            grouped.append(part if not self.spec.is_tail or bundle.sample else None)
+            at += bundle.token_count
+        return grouped
+
+    def _decode_rows(self, xs: list[torch.Tensor], sessions: list[SessionKV], positions: list[int],
+                     ) -> list[torch.Tensor]:
+        """One decode step of ``len(xs)`` rows, row ``r`` the token at ``positions[r]`` of
+        ``sessions[r]`` (a session's rows consecutive, in order): each row's hidden state ``[1, hidden]``,
+        or on the tail its logits ``[1, vocab]``."""
+        masks = {w: [_decode_mask(p, w, self.device) for p in positions] for w in set(self.windows)}
+        rows = DecodeRows(sessions, masks, positions)
         token = decode_rows().set(rows)
         try:
-            with self.numerics.decode(rows=len(sessions)):
-                stacked = torch.stack(xs)  # [B, 1] token ids on the head, else [B, 1, hidden]
+            with self.numerics.decode(rows=len(xs)):
+                stacked = torch.stack(xs)  # [R, 1] token ids on the head, else [R, 1, hidden]
                 hidden = self.embed(stacked) if self.embed is not None else stacked
-                position_ids = torch.tensor(lengths, dtype=torch.long, device=self.device).unsqueeze(1)
+                position_ids = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
                 hidden = self._run_layers(hidden, position_ids, rows, {w: None for w in masks})
                 if self.lm_head is None:
-                    return [StepResult(hidden_states=hidden[b]) for b in range(len(sessions))]
-                wanted = [b for b, bundle in enumerate(bundles) if bundle.sample]
-                logits = self._logits(hidden[wanted, -1:, :]) if wanted else None
+                    return [hidden[r] for r in range(len(xs))]
+                logits = self._logits(hidden)
         finally:
             decode_rows().reset(token)
-        results = [StepResult() for _ in bundles]
-        if logits is not None:
-            for row, b in enumerate(wanted):
-                results[b] = self._sampled(logits[row], sessions[b].sampling, lengths[b] + 1)
-        return results
+        return [logits[r : r + 1] for r in range(len(xs))]
 
     def _sampled(self, logits: torch.Tensor, sampling: Sampling, position: int) -> StepResult:
         """The token for ``position`` from one row of logits, with its log-probabilities if asked."""

@@ -1,8 +1,10 @@
 """The entry's side of one session on one route, as a state machine.
 
 An attempt opens a results stream to the route's tail and a seam to its head, sends the prompt in
-bounded prefill chunks, then one decode bundle per token. Tokens come back from the tail, errors
-from the head's side of the seam. :class:`EntryAttempt` is fed what arrives on those streams (and the
+bounded prefill chunks, then one decode bundle per step: the last token, and, when the session
+speculates, the tokens a drafter guessed after it (:mod:`meshd.session.drafting`). Tokens come back
+from the tail (one per step, or as many as it accepted of the guesses, plus the one after them),
+errors from the head's side of the seam. :class:`EntryAttempt` is fed what arrives on those streams (and the
 clock, for the step timeout) and returns what to do: bundles to send to the head, tokens to pass on.
 Anything that ends the attempt early raises :class:`SessionFailed`, naming the peer at fault when
 there is one, so that the repair policy can route around it. The Trio adapter is
@@ -12,11 +14,12 @@ there is one, so that the repair policy can route around it. The Trio adapter is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from meshd.errors import ErrorCode, RemoteError
 from meshd.runtime.chain import input_bundles
+from meshd.session.drafting import Drafter, DraftLength, DraftStats
 from meshd.tracker.view import Route
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Sampling
@@ -46,6 +49,17 @@ class SessionPlan:
     step_timeout_s: float = 30.0
     unchanged_prefix: int = 0   # repair: leading hops shared with epoch resume_from_epoch
     resume_from_epoch: int = 0
+    speculation: Speculation | None = None  # None: one token per step
+
+
+@dataclass
+class Speculation:
+    """How a session guesses tokens ahead: its drafter, how many to guess, and where to count them
+    (kept across the attempts of one generation)."""
+
+    drafter: Drafter
+    length: DraftLength = field(default_factory=DraftLength)
+    stats: DraftStats = field(default_factory=DraftStats)
 
 
 # -- what arrives ------------------------------------------------------------------------------------
@@ -91,6 +105,15 @@ class SendToHead:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """Ask the plan's drafter for up to ``k`` tokens after ``context``; give them to
+    :meth:`EntryAttempt.on_drafted` (a slow drafter runs off the event loop)."""
+
+    context: tuple[int, ...]
+    k: int
+
+
+@dataclass(frozen=True)
 class GeneratedToken:
     """A token of the reply, with its log-probabilities when the session asked for them."""
 
@@ -106,7 +129,7 @@ class Emit:
     token: GeneratedToken
 
 
-EntryAction = SendToHead | Emit
+EntryAction = SendToHead | Emit | Draft
 
 
 class EntryAttempt:
@@ -119,6 +142,10 @@ class EntryAttempt:
                                    range_end=h.end) for h in plan.route.hops]
         self.position = len(plan.prompt)  # the position of the next token the tail will send
         self.generated = 0
+        self.context = list(plan.prompt)  # prompt and tokens so far: what drafts continue
+        self.draft: tuple[int, ...] = ()  # the guesses the step in flight verifies
+        self.step_tokens = 0  # tokens of the step in flight received so far
+        self.step_sent = now
         self.done = False
         self.results_ready = False
         self._last_progress = now
@@ -150,7 +177,7 @@ class EntryAttempt:
         """The prompt's prefill chunks, once the tail's results stream is ready."""
         if not self.results_ready:
             raise SessionFailed(ErrorCode.PROTOCOL, "the prompt goes out only once the results stream is ready")
-        self._last_progress = now
+        self._last_progress = self.step_sent = now
         return [SendToHead(b) for b in self._bundles(list(self.plan.prompt), 0, step=0)]
 
     def on_results_open(self, message: pb.SeamMessage, now: float) -> None:
@@ -190,21 +217,62 @@ class EntryAttempt:
         generated = GeneratedToken(token, result.logprob if result.has_logprob else None,
                                    tuple((int(t.token), float(t.logprob)) for t in result.top))
         self.generated += 1
+        self.position += 1
+        self.context.append(token)
         self._last_progress = now
+        guessed = self.step_tokens < len(self.draft) and token == self.draft[self.step_tokens]
+        self.step_tokens += 1
         if token in self.plan.stop_token_ids or self.generated >= self.plan.max_new_tokens:
             self.done = True
             return [Emit(generated)]
+        if guessed:  # the tail goes on with the next token of this step
+            return [Emit(generated)]
+        self._step_ended(now)
+        spec = self.plan.speculation
+        # guesses are bounded so that a step never passes the reply's length (the last token of a step
+        # may be one more than the guesses) and never guesses an end of the reply
+        limit = min(self.plan.max_new_tokens - self.generated - 1, self.plan.chunk_tokens - 1)
+        k = spec.length.choose(limit) if spec is not None else 0
+        if k > 0:
+            self.step_sent = now  # the step's time includes its drafting: a guess costs that too
+            return [Emit(generated), Draft(tuple(self.context), k)]
         # the token goes back into the route before it goes to the client, so that the client's work
         # on it (detokenizing, streaming) overlaps the next step's compute instead of delaying it
-        actions: list[EntryAction] = [SendToHead(b) for b in self._bundles([token], self.position,
-                                                                           step=self.generated)]
-        self.position += 1
-        return [*actions, Emit(generated)]
+        return [*self._step([], now), Emit(generated)]
 
-    def _bundles(self, tokens: list[int], position: int, step: int) -> list[HiddenStateBundle]:
+    def on_drafted(self, tokens: Sequence[int], k: int, now: float) -> list[EntryAction]:
+        """The drafter's guesses for the step asked with :class:`Draft`: send the step."""
+        guesses: list[int] = []
+        for t in list(tokens)[:k]:
+            if t in self.plan.stop_token_ids:
+                break
+            guesses.append(int(t))
+        self._last_progress = now
+        return self._step(guesses, self.step_sent)
+
+    def _step(self, guesses: list[int], started: float) -> list[EntryAction]:
+        """The next decode step: the newest token (at the position before the next), and guesses after it;
+        ``started``: when the step was decided on (before any drafting)."""
+        self.draft, self.step_tokens, self.step_sent = tuple(guesses), 0, started
+        return [SendToHead(b) for b in self._bundles([self.context[-1]], self.position - 1, step=self.generated,
+                                                     draft=guesses)]
+
+    def _step_ended(self, now: float) -> None:
+        spec = self.plan.speculation
+        if spec is None or self.generated <= 1:  # the first token ends the prompt's prefill, not a step
+            return
+        accepted = self.step_tokens - 1
+        spec.length.record(len(self.draft), accepted, 1 + len(self.draft), now - self.step_sent)
+        if self.draft:
+            spec.stats.steps += 1
+            spec.stats.drafted += len(self.draft)
+            spec.stats.accepted += accepted
+
+    def _bundles(self, tokens: list[int], position: int, step: int,
+                 draft: Sequence[int] = ()) -> list[HiddenStateBundle]:
         head = (self.head.range_start, self.head.range_end)
         return list(input_bundles(self.plan.session_id, self.plan.route.epoch, tokens, position,
-                                  self.plan.chunk_tokens, head, self.plan.sampling, step=step))
+                                  self.plan.chunk_tokens, head, self.plan.sampling, step=step, draft=draft))
 
     @staticmethod
     def _raise_if_error(message: pb.SeamMessage) -> None:

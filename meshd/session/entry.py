@@ -26,6 +26,7 @@ from meshd.metrics import PeerMetrics
 from meshd.session import messages as m
 from meshd.session.attempt import (
     AttemptEvent,
+    Draft,
     Emit,
     EntryAttempt,
     GeneratedToken,
@@ -35,9 +36,11 @@ from meshd.session.attempt import (
     SessionFailed,
     SessionPlan,
     Source,
+    Speculation,
     StreamBroken,
     StreamEnded,
 )
+from meshd.session.drafting import Drafter, DraftLength, DraftModel, DraftStats, LookupThenModel, NgramDrafter
 from meshd.session.repair import RepairConfig, RepairPolicy
 from meshd.tracker.routing import NoRouteError
 from meshd.tracker.view import Route
@@ -138,14 +141,18 @@ async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPla
                 await m.finish_stream(results)
 
 
-async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit], head: MessageStream,
+async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit | Draft], head: MessageStream,
                    out: trio.MemorySendChannel[GeneratedToken]) -> None:
     """Send bundles to the head and tokens to ``out``, in order; a token is passed on even when the
-    route failed right after it (the token itself is good)."""
+    route failed right after it (the token itself is good). Drafts are asked for here: on the event
+    loop when the drafter is cheap, else in a worker thread."""
     failure: SessionFailed | None = None
     for action in actions:
         if isinstance(action, Emit):
             await out.send(action.token)
+        elif isinstance(action, Draft):
+            tokens = await _drafted(attempt, action)
+            await _perform(attempt, attempt.on_drafted(tokens, action.k, trio.current_time()), head, out)
         elif failure is None:
             action.bundle.sent_at_ns = time.time_ns()
             try:
@@ -154,6 +161,20 @@ async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit], 
                 failure = SessionFailed(ErrorCode.UNREACHABLE, f"the seam to the head: {exc}", attempt.head.peer_id)
     if failure is not None:
         raise failure
+
+
+async def _drafted(attempt: EntryAttempt, action: Draft) -> list[int]:
+    """The drafter's guesses; none when it fails (the step then goes without: a guess is never needed)."""
+    spec = attempt.plan.speculation
+    assert spec is not None
+    try:
+        if spec.drafter.inline:
+            return spec.drafter.draft(action.context, action.k)
+        return await trio.to_thread.run_sync(spec.drafter.draft, action.context, action.k)
+    except Exception:
+        log.exception("session %s: the %s drafter failed; this step guesses nothing", attempt.plan.session_id,
+                      spec.drafter.source)
+        return []
 
 
 async def _watch_hops(alive: Callable[[str], bool], peer_ids: list[str],
@@ -218,6 +239,7 @@ class Generation:
     max_new_tokens: int
     sampling: Sampling
     stop_token_ids: frozenset[int]  # tokens that end the reply
+    speculation: Speculation | None = None  # how the entry guesses ahead; None: a token per step
 
 
 @dataclass
@@ -226,6 +248,9 @@ class EntryConfig:
     step_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     repair: RepairConfig = field(default_factory=RepairConfig)
+    speculative: str = "off"  # one of meshd.session.drafting.SPECULATIVE_MODES
+    max_draft_tokens: int = 8
+    draft_model: DraftModel | None = None
 
 
 @dataclass
@@ -269,6 +294,29 @@ class EntrySessions:
         self.running = 0
         self.live: dict[str, LiveGeneration] = {}
         self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
+        self.drafts: dict[str, DraftStats] = {}  # by draft source, over every generation here
+        self._mismatched: set[str] = set()  # models whose tokenizer the draft model does not share
+
+    def speculation(self, model_id: str, tokenizer: object) -> Speculation | None:
+        """How a generation of ``model_id`` (whose tokenizer is ``tokenizer``) guesses ahead, as the
+        configuration says: the draft model when it shares the tokenizer, else n-gram lookup."""
+        mode, model = self.config.speculative, self.config.draft_model
+        if mode == "off" or self.config.max_draft_tokens < 1:
+            return None
+        drafter: Drafter = NgramDrafter()
+        if mode in ("auto", "model") and model is not None:
+            if model.matches(tokenizer):
+                drafter = model.session() if mode == "model" else LookupThenModel(model)
+            elif model_id not in self._mismatched:
+                self._mismatched.add(model_id)
+                log.warning("the draft model %s does not share %s's tokenizer; its sessions guess by n-gram lookup",
+                            model.directory.name, model_id)
+        return Speculation(drafter, DraftLength(self.config.max_draft_tokens),
+                           self.drafts.setdefault(drafter.source, DraftStats()))
+
+    def draft_summary(self) -> dict[str, object]:
+        return {"mode": self.config.speculative, "max_draft_tokens": self.config.max_draft_tokens,
+                "sources": {source: stats.summary() for source, stats in sorted(self.drafts.items())}}
 
     async def generate(self, gen: Generation, first: PlannedRoute) -> AsyncIterator[GeneratedToken]:
         """Yield the generation's tokens, repairing the route as needed; raises the repair policy's
@@ -307,6 +355,8 @@ class EntrySessions:
                 max_new_tokens=gen.max_new_tokens - len(generated), sampling=gen.sampling,
                 stop_token_ids=gen.stop_token_ids, session_id=gen.session_id, chunk_tokens=cfg.chunk_tokens,
                 step_timeout_s=cfg.step_timeout_s, unchanged_prefix=unchanged, resume_from_epoch=resume_from,
+                # a route of this peer alone crosses no link: guesses there only cost compute
+                speculation=None if all(h.peer_id == self.peer_id for h in route.hops) else gen.speculation,
             )
             send, receive = trio.open_memory_channel[GeneratedToken](math.inf)
             outcome = _Outcome()

@@ -27,7 +27,7 @@ from meshd.limits import KeyedRates, remember
 from meshd.runtime.kv import SessionKey
 from meshd.runtime.shard import HIDDEN_STATES, StepResult
 from meshd.wire import session_pb2 as pb
-from meshd.wire.bundle import HiddenStateBundle
+from meshd.wire.bundle import HiddenStateBundle, Phase
 
 log = logging.getLogger("meshd.session")
 
@@ -347,6 +347,9 @@ class HopSession:
         if (bundle.session_id, bundle.epoch) != self.key:
             raise BundleError("bundle belongs to another session than its stream")
         actions: list[HopAction] = []
+        cache = self.book.outputs(self.key)
+        if bundle.phase == Phase.DECODE and cache is not None and bundle.start_position < cache.length:
+            cache.truncate(bundle.start_position)  # drafted positions the tail did not accept
         if bundle.start_position < self.resumed:
             cut = min(self.resumed, bundle.end_position)
             if self.next_hop is not None:
@@ -369,9 +372,11 @@ class HopSession:
                 raise BundleError("the shard returned no hidden states for the next hop")
             out = bundle.part(bundle.start_position, bundle.end_position, {HIDDEN_STATES: result.hidden_states})
             return [SendDownstream(self._downstream(out), computed=True)]
-        if result.token is not None:
-            return [SendToken(bundle.end_position, result.token, result.logprob, tuple(result.top_logprobs))]
-        return []
+        if result.token is None:
+            return []
+        first = bundle.end_position - len(bundle.draft)  # the position after the step's first token
+        return [SendToken(first + i, r.token, r.logprob, tuple(r.top_logprobs))
+                for i, r in enumerate([result, *result.following]) if r.token is not None]
 
     def on_sent(self, action: SendDownstream) -> None:
         """A computed output went downstream: keep it for a resume (after sending, so the next hop

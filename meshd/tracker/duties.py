@@ -9,36 +9,56 @@ daemon performs what they return.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from meshd.tracker.placement import place
-from meshd.tracker.routing import NoRouteError, plan_route
-from meshd.tracker.view import Hop, HopTerms, Route, ShardOffer
+from meshd.tracker.routing import Links, NoRouteError, plan_route
+from meshd.tracker.view import Crossing, Hop, HopTerms, Route, ShardOffer
 from meshd.wire import rpc_pb2 as pb
 
 PLACEMENT_RETRY_S = 30.0  # an order that did not lead to a loaded range is sent again after this
+
+
+def _link_cost(c: Crossing | None) -> pb.LinkCost | None:
+    if c is None:
+        return None
+    return pb.LinkCost(from_peer=c.from_peer, to_peer=c.to_peer, rtt_ms=c.rtt_ms, rate_bps=c.rate_bps, bytes=c.bytes,
+                       latency_ms=c.latency_ms, transfer_ms=c.transfer_ms, rtt_measured=c.rtt_measured,
+                       rate_measured=c.rate_measured, relayed=c.relayed)
+
+
+def _crossing(m: pb.LinkCost) -> Crossing:
+    return Crossing(from_peer=m.from_peer, to_peer=m.to_peer, rtt_ms=m.rtt_ms, rate_bps=m.rate_bps, bytes=m.bytes,
+                    latency_ms=m.latency_ms, transfer_ms=m.transfer_ms, rtt_measured=m.rtt_measured,
+                    rate_measured=m.rate_measured, relayed=m.relayed)
 
 
 def route_to_reply(route: Route) -> pb.RouteReply:
     return pb.RouteReply(
         model_id=route.model_id, compat_key=route.compat_key, epoch=route.epoch, cost_ms=route.cost_ms,
         hops=[pb.RouteHop(peer_id=t.peer_id, start=t.start, end=t.end, compute_ms=t.compute_ms, seam_ms=t.seam_ms,
-                          hop_ms=t.hop_ms, load_factor=t.load_factor) for t in route.terms],
+                          hop_ms=t.hop_ms, load_factor=t.load_factor, crossing=_link_cost(t.crossing))
+              for t in route.terms],
+        entry=route.entry, back=_link_cost(route.back),
     )
 
 
 def route_from_reply(reply: pb.RouteReply) -> Route:
-    """A route as a tracker sent it; one that does not tile its layers contiguously is refused."""
+    """A route as a tracker sent it; one that does not tile its layers contiguously is refused. Its
+    cost terms are the tracker's estimates, shown to operators and used for nothing else."""
     hops = tuple(Hop(h.peer_id, h.start, h.end) for h in reply.hops)
     if not hops or hops[0].start != 0 or any(a.end != b.start for a, b in itertools.pairwise(hops)):
         raise ValueError("the route does not tile its layers contiguously from 0")
     if any(h.end <= h.start for h in hops):
         raise ValueError("the route has an empty hop")
     terms = tuple(HopTerms(peer_id=h.peer_id, start=h.start, end=h.end, compute_ms=h.compute_ms, seam_ms=h.seam_ms,
-                           hop_ms=h.hop_ms, load_factor=h.load_factor) for h in reply.hops)
+                           hop_ms=h.hop_ms, load_factor=h.load_factor,
+                           crossing=_crossing(h.crossing) if h.HasField("crossing") else None)
+                  for h in reply.hops)
     return Route(model_id=reply.model_id, compat_key=reply.compat_key, hops=hops, epoch=reply.epoch,
-                 cost_ms=reply.cost_ms, terms=terms)
+                 cost_ms=reply.cost_ms, terms=terms, entry=reply.entry,
+                 back=_crossing(reply.back) if reply.HasField("back") else None)
 
 
 def no_route_reply(exc: NoRouteError) -> pb.NoRoute:
@@ -68,12 +88,13 @@ class TrackerDuties:
     def next_epoch(self) -> int:
         return next(self._epochs)
 
-    def route_reply(self, request: pb.RouteRequest, offers: Iterable[ShardOffer],
-                    rtt_ms: Callable[[str], float | None]) -> pb.RouteReply | pb.NoRoute:
+    def route_reply(self, request: pb.RouteRequest, offers: Iterable[ShardOffer], links: Links,
+                    entry: str | None = None) -> pb.RouteReply | pb.NoRoute:
+        """The route for ``entry`` (the peer that asked: its API took the request), or why there is none."""
         try:
-            route = plan_route(request.model_id, offers, rtt_ms, epoch=self.next_epoch(),
+            route = plan_route(request.model_id, offers, links, epoch=self.next_epoch(),
                                exclude=frozenset(request.exclude), keep=frozenset(request.keep),
-                               avoid=frozenset(request.avoid), compat_key=request.compat_key)
+                               avoid=frozenset(request.avoid), compat_key=request.compat_key, entry=entry)
         except NoRouteError as exc:
             return no_route_reply(exc)
         return route_to_reply(route)

@@ -1,9 +1,10 @@
 """The mesh as this peer sees it, and the slice of it that placement and routing look at.
 
 Everything a peer knows about others comes from verified capability cards (gossip), the membership
-verdicts of failure detection, and the round trips it measured itself. :class:`MeshView` turns that
-into :class:`ShardOffer` records for placement and routing, and answers the questions the other
-planes ask: where to dial a peer, whether it is alive, which models the mesh covers.
+verdicts of failure detection, and the links it measured itself. :class:`MeshView` turns that
+into :class:`ShardOffer` records and a :class:`~meshd.tracker.links.LinkTable` for placement and
+routing, and answers the questions the other planes ask: where to dial a peer, whether it is alive,
+which models the mesh covers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from meshd.gossip.events import MemberState
+from meshd.tracker.links import LinkMeter, LinkTable
 from meshd.wire import card_pb2 as cpb
 
 if TYPE_CHECKING:
@@ -49,8 +51,33 @@ class ShardOffer:
 
 
 @dataclass(frozen=True)
+class Crossing:
+    """One link a decode token crosses, as the planner estimated it: half the round trip, plus the
+    bytes it carries over the link's rate (milliseconds). ``rtt_ms`` and ``rate_bps`` are what was
+    used, measured or the defaults; ``relayed``: an end is reached through a relay."""
+
+    from_peer: str
+    to_peer: str
+    rtt_ms: float
+    rate_bps: float
+    bytes: int
+    latency_ms: float
+    transfer_ms: float
+    rtt_measured: bool
+    rate_measured: bool
+    relayed: bool
+
+    @property
+    def cost_ms(self) -> float:
+        return self.latency_ms + self.transfer_ms
+
+
+@dataclass(frozen=True)
 class HopTerms:
-    """What the planner estimated for one hop of a route, in milliseconds per decode token."""
+    """What the planner estimated for one hop of a route, in milliseconds per decode token.
+
+    ``seam_ms`` is the cost of ``crossing``, the link into this hop (from the entry, for the head).
+    """
 
     peer_id: str
     start: int
@@ -59,6 +86,7 @@ class HopTerms:
     seam_ms: float
     hop_ms: float
     load_factor: float
+    crossing: Crossing | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +104,8 @@ class Route:
     epoch: int
     cost_ms: float
     terms: tuple[HopTerms, ...] = ()
+    entry: str = ""                 # the peer it was planned for ("" when the planner did not know)
+    back: Crossing | None = None    # the tail's token back to the entry
 
     def describe(self) -> str:
         return " -> ".join(f"{h.peer_id[:8]}[{h.start},{h.end})" for h in self.hops)
@@ -126,14 +156,15 @@ def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
 
 @dataclass
 class MeshView:
-    """Cards, membership and measured round trips, as one view for the planes that need them.
+    """Cards, membership and measured links, as one view for the planes that need them.
 
-    ``clock`` is the monotonic clock that times unreachability marks (a fake one in tests).
+    ``clock`` is the monotonic clock that times unreachability marks and link measurements (a fake
+    one in tests).
     """
 
     gossip: GossipNode
     clock: Callable[[], float]
-    rtt_ms: dict[str, float] = field(default_factory=dict)
+    meter: LinkMeter = field(default_factory=LinkMeter)
     last_seen: dict[str, float] = field(default_factory=dict)  # wall-clock time of the last message heard
     _unreachable: dict[str, float] = field(default_factory=dict)
     _demoted: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer -> (card sequence, why)
@@ -159,7 +190,7 @@ class MeshView:
         covered = []
         for model_id in sorted({o.model_id for o in offers}):
             try:
-                plan_route(model_id, offers, self.rtt_of)
+                plan_route(model_id, offers, self.links())
             except NoRouteError:
                 continue
             covered.append(model_id)
@@ -186,13 +217,36 @@ class MeshView:
                 out.append((offer.peer_id, address))
         return out
 
-    def rtt_of(self, peer_id: str) -> float | None:
-        return 0.0 if peer_id == self.self_id else self.rtt_ms.get(peer_id)
+    def links(self) -> LinkTable:
+        """Every link this peer knows of, for planning routes: its own measurements and the cards'."""
+        def card_of(peer_id: str) -> cpb.CapabilityCard | None:
+            card = self.gossip.live_card(peer_id)
+            return None if card is None else card.card
 
-    def record_rtt(self, peer_id: str, elapsed_ms: float, wall_now: float) -> None:
-        previous = self.rtt_ms.get(peer_id)
-        self.rtt_ms[peer_id] = elapsed_ms if previous is None else 0.8 * previous + 0.2 * elapsed_ms
+        return LinkTable(self.self_id, self.meter.estimate, card_of)
+
+    @property
+    def rtt_of(self) -> LinkTable:
+        """The link table; called with a peer id it is this peer's round trip to it (0 to itself), so
+        a planner given it as its round trips gets every link the cards publish too."""
+        return self.links()
+
+    def record_rtt(self, peer_id: str, elapsed_ms: float, wall_now: float, nbytes: int = 0) -> None:
+        """A request of ``nbytes`` to the peer answered after ``elapsed_ms``."""
+        self.meter.record_rtt(peer_id, elapsed_ms, self.clock(), nbytes)
         self.last_seen[peer_id] = wall_now
+
+    def record_transfer(self, peer_id: str, nbytes: int, started: float, ended: float) -> None:
+        """A bulk transfer with the peer, timed on :attr:`clock`: what measures a link's rate."""
+        self.meter.record_transfer(peer_id, nbytes, started, ended)
+
+    def published_links(self) -> list[cpb.LinkMeasure]:
+        """The link measures for this peer's card: those to peers serving layers first, and of those the
+        ones its card holds already."""
+        serving = {o.peer_id for o in self.offers() if o.range is not None}
+        own = self.gossip.store.get(self.self_id)
+        held = {m.peer_id for m in own.card.links} if own is not None else set()
+        return self.meter.published(self.clock(), serving.__contains__, held)
 
     def heard_from(self, peer_id: str, wall_now: float) -> None:
         self.last_seen[peer_id] = wall_now

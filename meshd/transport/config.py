@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshd.links.profiles import LinkShape
 from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES
 
 MAX_WINDOW = 2**31 - 1
@@ -33,6 +34,10 @@ class TransportConfig:
     max_inbound_connections: int = 1024  # authenticated inbound connections at once
     read_size: int = 64 * 1024
     relay_chunk_bytes: int = 64 * 1024  # largest WebSocket message sent through a relay
+    # For testing and benchmarks: every connection's outgoing bytes, dialled or accepted, direct or
+    # relayed, travel a modelled link of this shape (below TLS), except a peer's connection to itself,
+    # which crosses no link. None: sent as they come.
+    link_shape: LinkShape | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.max_message_bytes < 2**32:

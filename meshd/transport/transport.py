@@ -19,6 +19,7 @@ from trio_websocket import HandshakeError
 
 from meshd.address import Address, AddressError
 from meshd.identity import Identity
+from meshd.links.stream import ShapedStream
 from meshd.transport.config import TransportConfig
 from meshd.transport.connection import Connection, Handler, Stream
 from meshd.transport.errors import PeerAuthError, TransportError
@@ -55,6 +56,7 @@ class Transport:
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._links_shaped = 0
 
     async def __aenter__(self) -> Transport:
         self._exit_stack = contextlib.AsyncExitStack()
@@ -132,9 +134,34 @@ class Transport:
     def _refuse(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
+    def _shaped(self, stream: trio.abc.Stream, nursery: trio.Nursery) -> trio.abc.Stream:
+        """``stream`` with its sends on the configured link shape (its pump in ``nursery``), if any."""
+        if self.config.link_shape is None:
+            return stream
+        self._links_shaped += 1  # a seed of its own for each connection's jitter
+        return ShapedStream(stream, self.config.link_shape, nursery, seed=self._links_shaped)
+
+    def _unshape_if_own(self, stream: trio.abc.Stream, peer_id: str) -> None:
+        """A connection to this very peer (an entry that is also the head of its route) crosses no
+        link: once authenticated, its bytes go straight through."""
+        if peer_id == self.identity.peer_id and isinstance(stream, ShapedStream):
+            stream.stop_shaping()
+
     async def _accept(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes, handler: Handler,
                       remote: str | None = None) -> None:
         remote = remote or _describe(tcp)
+        if self.config.link_shape is None:
+            await self._serve_inbound(tcp, context, cert_der, handler, remote)
+            return
+        async with trio.open_nursery() as nursery:
+            shaped = self._shaped(tcp, nursery)
+            try:
+                await self._serve_inbound(shaped, context, cert_der, handler, remote)
+            finally:
+                await trio.aclose_forcefully(shaped)
+
+    async def _serve_inbound(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes,
+                             handler: Handler, remote: str) -> None:
         host = remote.rsplit(":", 1)[0]
         cfg = self.config
         # A connection costs memory from its first byte: bound how many may be authenticating, from
@@ -178,6 +205,7 @@ class Transport:
             left = self._handshaking_from.pop(host, 1) - 1
             if left:
                 self._handshaking_from[host] = left
+        self._unshape_if_own(tcp, peer_id)
         connection = Connection(stream, client_side=False, peer_id=peer_id, config=self.config, handler=handler)
         connection.refusals = self.refusals
         logger.debug("accepted peer %s from %s", peer_id, remote)
@@ -289,7 +317,10 @@ class Transport:
                     tcp = await relay_dial(self._nursery, address, peer_id, max_chunk=self.config.relay_chunk_bytes)
                 else:
                     tcp = await trio.open_tcp_stream(address.host, address.port)
+                if peer_id != self.identity.peer_id:
+                    tcp = self._shaped(tcp, self._nursery)
                 stream, proven_id = await client_handshake(tcp, self._client_context, self.identity, peer_id)
+                self._unshape_if_own(tcp, proven_id)
         except trio.TooSlowError as exc:
             await _abort(tcp)
             raise TransportError(f"dialling {address} timed out after {self.config.connect_timeout}s") from exc

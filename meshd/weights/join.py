@@ -148,12 +148,15 @@ class ModelJoin:
 
         async def ask(source: str, entry: TensorEntry, index: int) -> bytes:
             request = pb.PeerRequest(chunk=pb.ChunkRequest(compat_key=info.compat_key, tensor=entry.name, index=index))
+            started = self.view.clock()
             try:
                 reply = await call(self.opener, source, addresses[source], request, timeout=ASK_TIMEOUT_S)
             except RpcFailed as exc:
                 raise SourceFailed(str(exc), lacks=exc.code == ErrorCode.UNKNOWN_MODEL) from None
             if reply.WhichOneof("body") != "chunk":
                 raise SourceFailed(f"answered {reply.WhichOneof('body')!r}")
+            # chunks are the one bulk traffic between peers outside sessions: they measure the link's rate
+            self.view.record_transfer(source, len(reply.chunk.data), started, self.view.clock())
             return reply.chunk.data
 
         what = f"layers [{start}, {end}) of {self.model_id}"

@@ -46,6 +46,7 @@ _WIRE_DTYPE = {torch_dtype: code for code, (torch_dtype, _) in _DTYPES.items()}
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_DRAFT_TOKENS = 15  # drafted tokens one decode step may verify (16 positions with its first)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class HiddenStateBundle:
     sampling: Sampling | None = None
     sent_at_ns: int = 0
     version: int = field(default=SCHEMA_VERSION)
+    draft: tuple[int, ...] = ()  # decode: the drafted tokens after the first, which the tail verifies
 
     @property
     def end_position(self) -> int:
@@ -93,6 +95,8 @@ class HiddenStateBundle:
         """
         if not self.start_position <= start < end <= self.end_position:
             raise ValueError(f"[{start}, {end}) is not inside [{self.start_position}, {self.end_position})")
+        if self.draft and (start, end) != (self.start_position, self.end_position):
+            raise ValueError("a decode step with drafted tokens travels whole")
         if tensors is None:
             offset = start - self.start_position
             tensors = {name: t[offset : offset + end - start] for name, t in self.tensors.items()}
@@ -101,6 +105,7 @@ class HiddenStateBundle:
             token_count=end - start, tensors=tensors, range_start=self.range_start, range_end=self.range_end,
             step=self.step, sample=self.sample and end == self.end_position,
             sampling=self.sampling if start == 0 else None, sent_at_ns=self.sent_at_ns, version=self.version,
+            draft=self.draft,
         )
 
     def chunks(self, max_tokens: int) -> list[HiddenStateBundle]:
@@ -128,6 +133,7 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
         range_end=bundle.range_end,
         sample=bundle.sample,
         sent_at_ns=bundle.sent_at_ns,
+        draft=list(bundle.draft),
     )
     if bundle.sampling is not None:
         s = bundle.sampling
@@ -168,8 +174,15 @@ def decode(data: bytes) -> HiddenStateBundle:
         raise BundleError("bundle has no session id")
     if msg.token_count < 1:
         raise BundleError("bundle carries no tokens")
-    if msg.phase == pb.DECODE and msg.token_count != 1:
-        raise BundleError(f"a decode bundle carries one token, not {msg.token_count}")
+    if msg.phase == pb.DECODE and msg.token_count != 1 + len(msg.draft):
+        raise BundleError(f"a decode bundle carries one token and its {len(msg.draft)} drafted ones, not "
+                          f"{msg.token_count}")
+    if msg.phase == pb.PREFILL and msg.draft:
+        raise BundleError("a prefill chunk carries no drafted tokens")
+    if len(msg.draft) > MAX_DRAFT_TOKENS:
+        raise BundleError(f"a decode step verifies at most {MAX_DRAFT_TOKENS} drafted tokens, not {len(msg.draft)}")
+    if msg.draft and not msg.sample:
+        raise BundleError("drafted tokens are verified only by a step the tail samples")
     if msg.range_end <= msg.range_start:
         raise BundleError(f"empty layer range [{msg.range_start}, {msg.range_end})")
     if len(msg.tensors) > MAX_TENSORS:
@@ -204,6 +217,7 @@ def decode(data: bytes) -> HiddenStateBundle:
         sampling=sampling,
         sent_at_ns=msg.sent_at_ns,
         version=msg.version,
+        draft=tuple(int(t) for t in msg.draft),
     )
 
 

@@ -30,8 +30,32 @@ class RouteRequest(_message.Message):
     compat_key: str
     def __init__(self, model_id: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., keep: _Optional[_Iterable[str]] = ..., avoid: _Optional[_Iterable[str]] = ..., compat_key: _Optional[str] = ...) -> None: ...
 
+class LinkCost(_message.Message):
+    __slots__ = ("from_peer", "to_peer", "rtt_ms", "rate_bps", "bytes", "latency_ms", "transfer_ms", "rtt_measured", "rate_measured", "relayed")
+    FROM_PEER_FIELD_NUMBER: _ClassVar[int]
+    TO_PEER_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_BPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    RTT_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    RATE_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    from_peer: str
+    to_peer: str
+    rtt_ms: float
+    rate_bps: float
+    bytes: int
+    latency_ms: float
+    transfer_ms: float
+    rtt_measured: bool
+    rate_measured: bool
+    relayed: bool
+    def __init__(self, from_peer: _Optional[str] = ..., to_peer: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., rate_bps: _Optional[float] = ..., bytes: _Optional[int] = ..., latency_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., rtt_measured: _Optional[bool] = ..., rate_measured: _Optional[bool] = ..., relayed: _Optional[bool] = ...) -> None: ...
+
 class RouteHop(_message.Message):
-    __slots__ = ("peer_id", "start", "end", "compute_ms", "seam_ms", "hop_ms", "load_factor")
+    __slots__ = ("peer_id", "start", "end", "compute_ms", "seam_ms", "hop_ms", "load_factor", "crossing")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +63,7 @@ class RouteHop(_message.Message):
     SEAM_MS_FIELD_NUMBER: _ClassVar[int]
     HOP_MS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    CROSSING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     start: int
     end: int
@@ -46,21 +71,26 @@ class RouteHop(_message.Message):
     seam_ms: float
     hop_ms: float
     load_factor: float
-    def __init__(self, peer_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., compute_ms: _Optional[float] = ..., seam_ms: _Optional[float] = ..., hop_ms: _Optional[float] = ..., load_factor: _Optional[float] = ...) -> None: ...
+    crossing: LinkCost
+    def __init__(self, peer_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., compute_ms: _Optional[float] = ..., seam_ms: _Optional[float] = ..., hop_ms: _Optional[float] = ..., load_factor: _Optional[float] = ..., crossing: _Optional[_Union[LinkCost, _Mapping]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("model_id", "compat_key", "epoch", "cost_ms", "hops")
+    __slots__ = ("model_id", "compat_key", "epoch", "cost_ms", "hops", "entry", "back")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COST_MS_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    BACK_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     epoch: int
     cost_ms: float
     hops: _containers.RepeatedCompositeFieldContainer[RouteHop]
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., epoch: _Optional[int] = ..., cost_ms: _Optional[float] = ..., hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ...) -> None: ...
+    entry: str
+    back: LinkCost
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., epoch: _Optional[int] = ..., cost_ms: _Optional[float] = ..., hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., entry: _Optional[str] = ..., back: _Optional[_Union[LinkCost, _Mapping]] = ...) -> None: ...
 
 class NoRoute(_message.Message):
     __slots__ = ("model_id", "missing")

@@ -127,10 +127,20 @@ class LlamaCppShard(Shard):
         return self._step(x, session, bundle)
 
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
-                        bundles: list[HiddenStateBundle]) -> list[StepResult]:
-        # one at a time; on an error the caller truncates every session, which undoes them in llama.cpp too
-        return [self._step(x.reshape(-1), session, bundle) for x, session, bundle in zip(xs, sessions, bundles,
-                                                                                         strict=True)]
+                        bundles: list[HiddenStateBundle]) -> list[torch.Tensor | None]:
+        # one session and one position at a time (ggml's kernels choose by the batch: a position computed
+        # among others would differ); on an error the caller truncates every session, which undoes them
+        # in llama.cpp too
+        outs: list[torch.Tensor | None] = []
+        for x, session, bundle in zip(xs, sessions, bundles, strict=True):
+            assert isinstance(session, SequenceKV)
+            inputs = self._inputs(x.reshape(-1)).reshape(bundle.token_count, -1)
+            want = self.spec.is_tail and bundle.sample
+            rows = [self.engine.run(session.seq, inputs[r : r + 1], bundle.start_position + r, want_logits=want)
+                    for r in range(bundle.token_count)]
+            outs.append(None if self.spec.is_tail and not want
+                        else torch.from_numpy(np.concatenate([row.reshape(1, -1) for row in rows])))
+        return outs
 
     def _step(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
         assert isinstance(session, SequenceKV)
