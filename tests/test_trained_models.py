@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def small(name: str, steps: int = 30) -> TrainingConfig:
     spec = replace(TRAINING[name].spec, hidden_size=64, num_layers=layers, num_heads=2, num_kv_heads=2,
                    intermediate_size=128, vocab_size=SMALL_VOCAB)
     return replace(TRAINING[name], spec=spec, steps=steps, batch_size=4, seq_len=64, warmup_steps=3,
-                   threads=1)
+                   threads=1, teacher="")
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,29 @@ def test_the_draft_shares_the_tokenizer_and_is_smaller(small_trained, tmp_path):
         assert (draft / name).read_bytes() == (small_trained / name).read_bytes(), name
     params = {d: json.loads((d / "training.json").read_text())["parameters"] for d in (draft, small_trained)}
     assert params[draft] < params[small_trained]
+
+
+def test_a_draft_taught_by_its_target_learns_the_target_s_choices(small_trained, tmp_path):
+    """Trained on the target's distribution, the draft agrees with its greedy choices more often than a
+    draft trained as long on the text alone; a teacher with another tokenizer is refused."""
+    from tokenizers import Tokenizer
+
+    heldout = trained.token_stream(Tokenizer.from_file(str(small_trained / "tokenizer.json")), corpus().heldout)
+    ids = torch.tensor(heldout[:512])[None]
+    target = AutoModelForCausalLM.from_pretrained(small_trained).eval()
+    agreement = {}
+    for taught in (False, True):
+        out = tmp_path / f"draft-{taught}"
+        train(small("draft", steps=60), out, teacher=small_trained if taught else None)
+        draft = AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            agreement[taught] = float((draft(ids).logits.argmax(-1) == target(ids).logits.argmax(-1)).float().mean())
+    assert agreement[True] > agreement[False], agreement
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(small_trained, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace('"<|pad|>"', '"<|pads|>"'))
+    with pytest.raises(ValueError, match="tokenizer"):
+        train(small("draft", steps=1), tmp_path / "refused", teacher=other)
 
 
 def test_the_full_models_have_batchable_shapes_and_a_tenfold_size_ratio():

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from meshd.wire.bundle import MAX_DRAFT_TOKENS
 
 NGRAM_MAX = 4  # longest context suffix looked up
+LOOKUP_THEN_MODEL_MIN_N = 3  # with a draft model, lookup guesses only from a match of this many tokens
 DECAY = 0.9    # weight of older steps in the measured acceptance and step costs
 PRIOR_PER_POSITION = 0.1  # an extra position's cost, as a share of a one-position step, until measured
 PRIOR_ACCEPTANCE = 0.6  # a first guess is taken to be right this often until measured
@@ -45,14 +46,14 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
-    ``n`` tokens (the longest ``n`` up to :data:`NGRAM_MAX` that occurred before), guessed one at a
-    time so that a loop in the text is followed around."""
+    ``n`` tokens (the longest ``n`` up to :data:`NGRAM_MAX` that occurred before, and at least
+    ``min_n``), guessed one at a time so that a loop in the text is followed around."""
 
     source = "ngram"
     inline = True
 
-    def __init__(self, max_n: int = NGRAM_MAX) -> None:
-        self.max_n = max_n
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
         self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the position just after its latest occurrence
         self._indexed: list[int] = []  # the context indexed so far
 
@@ -69,7 +70,7 @@ class NgramDrafter:
         return out
 
     def _follow(self, tokens: list[int]) -> int | None:
-        for n in range(min(self.max_n, len(tokens)), 0, -1):
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             at = self._after.get(tuple(tokens[-n:]))
             if at is not None and at < len(self._indexed):
                 return self._indexed[at]
@@ -170,14 +171,15 @@ class ModelDrafter:
 
 
 class LookupThenModel:
-    """N-gram lookup first, the draft model for the rest: a repeated phrase is guessed for free and as
-    far as it goes, and where the text does not repeat the model guesses."""
+    """N-gram lookup first, the draft model for the rest: a phrase repeated from its last
+    :data:`LOOKUP_THEN_MODEL_MIN_N` tokens on is guessed for free and as far as it goes; elsewhere the
+    model guesses (a shorter match is a weaker guess than the model's)."""
 
     source = "ngram+model"
     inline = False
 
     def __init__(self, model: DraftModel) -> None:
-        self.lookup = NgramDrafter()
+        self.lookup = NgramDrafter(min_n=LOOKUP_THEN_MODEL_MIN_N)
         self.model = ModelDrafter(model)
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
