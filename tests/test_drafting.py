@@ -49,3 +49,19 @@ def test_guesses_right_in_runs_are_worth_long_drafts():
     assert 0.3 < runs.acceptance < 0.7
     assert runs.expected_tokens(8) > 4.0
     assert runs.choose(8) == 8
+
+
+def test_a_vocabulary_fingerprint_belongs_to_its_tokenizer_not_to_a_reused_object_id():
+    from meshd.session.drafting import vocab_fingerprint
+
+    class Vocab:
+        def __init__(self, words: dict[str, int]) -> None:
+            self.words = words
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.words
+
+    first = vocab_fingerprint(Vocab({"a": 0, "b": 1}))  # gone at once: its id may be handed out again
+    for _ in range(20):
+        assert vocab_fingerprint(Vocab({"a": 0, "c": 1})) != first
+    assert vocab_fingerprint(Vocab({"a": 0, "b": 1})) == first

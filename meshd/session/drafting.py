@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,18 +116,18 @@ class DraftModel:
         return ModelDrafter(self)
 
 
-_FINGERPRINTS: dict[int, str] = {}
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
-    """A hash of a tokenizer's vocabulary and special tokens: equal when token ids mean the same text."""
-    key = id(tokenizer)
-    if key not in _FINGERPRINTS:
+    """A hash of a tokenizer's vocabulary and special tokens: equal when token ids mean the same text.
+    Kept per tokenizer object while it lives (hashing a vocabulary per request would cost milliseconds)."""
+    known = _FINGERPRINTS.get(tokenizer)
+    if known is None:
         vocab = sorted(tokenizer.get_vocab().items())
         specials = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
-        digest = hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()
-        _FINGERPRINTS[key] = digest
-    return _FINGERPRINTS[key]
+        known = _FINGERPRINTS[tokenizer] = hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()
+    return known
 
 
 class ModelDrafter:
