@@ -311,11 +311,11 @@ async def _submit_at(batcher, name, times, results):
         results.append((name, position, round(trio.current_time(), 3), round(result.queue_ms)))
 
 
-async def _sessions(schedules: dict[str, list[float]]):
-    """Decode steps of each session submitted at the given times (compute: 1 s a call); the recorder,
-    the batcher and each step's (session, position, time done, queue ms)."""
+async def _sessions(schedules: dict[str, list[float]], shared: bool = True):
+    """Decode steps of each session submitted at the given times (compute: 1 s a call, whatever its
+    size); the recorder, the batcher and each step's (session, position, time done, queue ms)."""
     rec = _Recorder(delay=1.0)
-    batcher = StepBatcher(rec.batch, rec.one)
+    batcher = StepBatcher(rec.batch, rec.one, shared_machine=lambda: shared)
     results = []
     async with trio.open_nursery() as nursery:
         for name, times in schedules.items():
@@ -325,21 +325,21 @@ async def _sessions(schedules: dict[str, list[float]]):
 
 async def test_a_batch_is_held_for_a_session_due_within_one_step(autojump_clock):
     # both come back every 10 s; at the third round b is due 0.5 s after a, within one step (1 s)
-    rec, batcher, results = await _sessions({"a": [0.0, 10.0, 20.0], "b": [0.5, 10.5, 20.5]})
+    rec, batcher, results = await _sessions({"a": [0.0, 10.0, 20.0], "b": [0.5, 10.5, 20.5]}, shared=False)
     assert rec.calls[-1] == ["a", "b"]  # one forward for both, not a alone and then b
     assert batcher.stats.held_batches == 1 and batcher.stats.held_s == pytest.approx(0.5)
     assert ("a", 3, 21.5, 500) in results and ("b", 3, 21.5, 0) in results
 
 
-async def test_no_holding_for_sessions_due_later_or_for_a_lone_session(autojump_clock):
-    rec, batcher, _ = await _sessions({"a": [0.0, 10.0, 20.0], "c": [5.0, 15.0, 25.0]})  # c: 5 s after a
+async def test_on_machines_of_their_own_no_holding_for_sessions_due_later_or_for_a_lone_session(autojump_clock):
+    rec, batcher, _ = await _sessions({"a": [0.0, 10.0, 20.0], "c": [5.0, 15.0, 25.0]}, shared=False)  # c: 5 s on
     assert all(len(call) == 1 for call in rec.calls) and batcher.stats.held_batches == 0
     _, lone, results = await _sessions({"z": [30.0, 40.0, 50.0]})
     assert lone.stats.held_batches == 0 and [r[3] for r in results] == [0, 0, 0]
 
 
 async def test_a_finished_session_is_not_waited_for(autojump_clock):
-    _, batcher, results = await _sessions({"a": [0.0, 10.0], "b": [0.5, 10.5]})
+    _, batcher, results = await _sessions({"a": [0.0, 10.0], "b": [0.5, 10.5]}, shared=False)
     batcher.forget("b", 0)  # b would be due at 20.5, within a step of a's next one
     await _submit_at(batcher, "a", [20.0], results)
     assert batcher.stats.held_batches == 0 and results[-1] == ("a", 1, 21.0, 0)
@@ -370,3 +370,127 @@ async def test_a_failed_batch_fails_its_steps_and_the_prefill_after_it_still_run
         nursery.start_soon(submit, "p", _bundle("p", Phase.PREFILL, 0, 8), 0.3)
     assert rec.calls == [["a"], ["b", "c"], ["p"]]
     assert outcomes == {"a": 5, "b": "compute thread gone", "c": "compute thread gone", "p": 0}
+
+
+class _CostedRecorder(_Recorder):
+    """Fake compute whose step takes ``costs[rows]`` seconds (the last figure for larger steps)."""
+
+    def __init__(self, costs: dict[int, float]) -> None:
+        super().__init__()
+        self.costs = costs
+
+    def _cost(self, rows: int) -> float:
+        return self.costs.get(rows, self.costs[max(self.costs)])
+
+    async def batch(self, bundles):
+        self.calls.append([b.session_id for b in bundles])
+        cost = self._cost(len(bundles))
+        await trio.sleep(cost)
+        return [StepResult(token=b.start_position) for b in bundles], cost
+
+    async def one(self, bundle):
+        self.calls.append([bundle.session_id])
+        await trio.sleep(self._cost(1))
+        return StepResult(token=bundle.start_position), self._cost(1)
+
+
+async def _looping(batcher, name: str, start: float, steps: int, away: float, calls: list) -> None:
+    """A session of a route: each decode step submitted ``away`` seconds after the last one's result
+    (the time it spends at the other hops), as a real route's sessions come back."""
+    await trio.sleep_until(start)
+    for position in range(1, steps + 1):
+        await batcher.submit(_bundle(name, Phase.DECODE, position))
+        await trio.sleep(away)
+    calls.append(name)
+
+
+async def _route(costs: dict[int, float], shared: bool, starts: dict[str, float], steps: int = 12,
+                 away: float = 5.0, **options):
+    rec = _CostedRecorder(costs)
+    batcher = StepBatcher(rec.batch, rec.one, shared_machine=lambda: shared, **options)
+    done: list = []
+    async with trio.open_nursery() as nursery:
+        for name, start in starts.items():
+            nursery.start_soon(_looping, batcher, name, start, steps, away, done)
+    return rec, batcher
+
+
+async def test_the_batcher_learns_its_step_costs_by_size(autojump_clock):
+    _, batcher = await _route({1: 1.0, 2: 1.2}, True, {"a": 0.0, "b": 2.5})
+    table = batcher.stats.summary()["step_costs"]
+    assert table["decode_ms"]["1"] == 1000.0 and table["decode_ms"]["2"] == 1200.0
+    assert table["decode_rows_per_s"]["2"] == pytest.approx(2 / 1.2, abs=0.01)
+    assert batcher.costs.decode_s(2) == pytest.approx(1.2)
+
+
+async def test_on_a_shared_machine_sessions_apart_are_drawn_into_one_wave(autojump_clock):
+    # b starts 2.5 s after a; both spend 5 s elsewhere between steps. Two rows cost 1.2 s against 2 s
+    # apart, so a waits for b once, and from then on they come back together
+    rec, batcher = await _route({1: 1.0, 2: 1.2}, True, {"a": 0.0, "b": 2.5})
+    together = [i for i, call in enumerate(rec.calls) if sorted(call) == ["a", "b"]]
+    assert len(together) >= 10 and together == list(range(together[0], together[0] + len(together)))
+    assert batcher.stats.held_batches >= 1 and batcher.stats.shared_machine is True
+
+
+async def test_no_wave_is_formed_where_rows_cost_what_they_add(autojump_clock):
+    # two rows cost twice one: waiting would only delay. Tried once (a size never seen is taken as
+    # free), then known: nobody is waited for again.
+    _, batcher = await _route({1: 1.0, 2: 2.0}, True, {"a": 0.0, "b": 2.5})
+    assert batcher.stats.held_batches <= 2 and batcher.costs.decode_s(2) == pytest.approx(2.0)
+    held = batcher.stats.held_batches
+    async with trio.open_nursery() as nursery:  # two more sessions apart, on the hop that now knows
+        for name, start in (("c", trio.current_time()), ("d", trio.current_time() + 2.5)):
+            nursery.start_soon(_looping, batcher, name, start, 6, 5.0, [])
+    assert batcher.stats.held_batches == held
+
+
+async def test_hops_on_a_machine_of_their_own_keep_their_waves(autojump_clock):
+    # the same cheap second row; but with the machine otherwise idle, b (due 2.5 s from a, past a
+    # one-row step of 1 s) is never waited for: each hop of a pipeline keeps a wave busy
+    rec, batcher = await _route({1: 1.0, 2: 1.0}, False, {"a": 0.0, "b": 2.5})
+    assert batcher.stats.held_batches == 0 and all(len(call) == 1 for call in rec.calls)
+    assert batcher.stats.shared_machine is False
+
+
+async def test_the_latency_bound_caps_a_batch_by_its_expected_cost(autojump_clock):
+    rec = _CostedRecorder({1: 1.0, 2: 1.0, 3: 3.0})
+    batcher = StepBatcher(rec.batch, rec.one, latency_bound_s=2.0, shared_machine=lambda: True)
+    for rows, seconds in ((1, 1.0), (2, 1.0), (3, 3.0)):
+        batcher.costs.observe_decode(rows, seconds)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.submit, _bundle("a", Phase.DECODE, 5))
+        for i, name in enumerate(("b", "c", "d")):
+            nursery.start_soon(_later, 0.1 + i / 100, batcher.submit, _bundle(name, Phase.DECODE, 9))
+    assert rec.calls == [["a"], ["b", "c"], ["d"]]  # three rows would take 3 s, over the 2 s bound
+
+
+async def _later(delay, fn, *args):
+    await trio.sleep(delay)
+    await fn(*args)
+
+
+def test_the_machine_counts_as_shared_while_other_processes_fill_its_cores(monkeypatch):
+    from types import SimpleNamespace
+
+    from meshd.runtime import machine_share
+
+    now = [0.0]
+    machine = {"busy": 0.0}
+    own = {"user": 0.0}
+    monkeypatch.setattr(machine_share.psutil, "cpu_times", lambda: SimpleNamespace(
+        user=machine["busy"], nice=0.0, system=0.0, irq=0.0, softirq=0.0, steal=0.0, idle=0.0))
+    monkeypatch.setattr(machine_share.psutil, "cpu_count", lambda: 2)
+
+    class _Process:
+        def cpu_times(self):
+            return SimpleNamespace(user=own["user"], system=0.0)
+
+    monkeypatch.setattr(machine_share.psutil, "Process", _Process)
+    share = machine_share.MachineShare(sample_s=1.0, clock=lambda: now[0])
+    assert share() is True and share.others is None  # nothing known yet: one wave is never wrong
+    now[0], machine["busy"], own["user"] = 1.0, 0.5, 0.45  # only this process computed
+    assert share() is False and share.others == pytest.approx(0.025)
+    for t in range(2, 6):  # others keep 1.5 of the 2 CPUs busy
+        now[0], machine["busy"], own["user"] = float(t), machine["busy"] + 1.8, own["user"] + 0.3
+    share._read(now[0])
+    assert share() is True and share.others > 0.25

@@ -32,13 +32,29 @@ async def test_host_loads_and_computes_on_its_compute_thread(tiny_model):
     host.close()
 
 
-def test_torch_threads_setting(monkeypatch):
+async def test_torch_threads_setting(monkeypatch):
+    from meshd.runtime import host
+
     assert load_config(None, {}).torch_threads == 0
     monkeypatch.setenv("MESHD_TORCH_THREADS", "1")
     assert load_config(None, {}).torch_threads == 1
+    monkeypatch.setattr(host, "_compute_threads", None)
     before = torch.get_num_threads()
     try:
-        assert apply_torch_threads(1) == 1 and torch.get_num_threads() == 1
-        assert apply_torch_threads(0) == len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
+        assert apply_torch_threads(0) == cpus
+        # the compute thread computes with them all; this thread, and threads started now, with one
+        compute = ComputeThread()
+        assert await compute.run(torch.get_num_threads) == cpus and torch.get_num_threads() == 1
+        others: list[int] = []
+        worker = threading.Thread(target=lambda: others.append(torch.get_num_threads()))
+        worker.start()
+        worker.join()
+        assert others == [1]
+        compute.close()
+        assert apply_torch_threads(1) == 1
+        compute = ComputeThread()
+        assert await compute.run(torch.get_num_threads) == 1
+        compute.close()
     finally:
         torch.set_num_threads(before)

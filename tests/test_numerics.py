@@ -125,3 +125,57 @@ def test_a_model_whose_rows_do_not_align_decodes_one_session_at_a_time(tmp_path)
         return [r.logits for r in s.forward_batch(steps)]
 
     assert torch.equal(first_decode([0])[0], first_decode([0, 1, 2])[0])
+
+
+def test_decode_in_the_measured_band_gives_every_session_its_solo_logits(tmp_path):
+    """A model with widths where this machine's GEMMs have a band of several rows: sessions decoded
+    alone (padded to the band's bottom), together (one GEMM) and more than the band holds (tiles)
+    get the same logits bit for bit."""
+    from meshd.runtime.numerics import band_tiles, row_band
+    from tests.test_batching import _decode, _first
+
+    spec = replace(BUILTIN_MODELS["tiny"], hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=2)
+    model = write_model(tmp_path / "wide", make_config("llama", spec), seed=7)
+    probe = Shard(model, 0, 4)
+    assert probe.lm_head is not None
+    weights = [m.weight for layer in probe.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(probe.lm_head.weight)
+    low, high = row_band(Numerics(), weights, probe_rows=16)
+    if high == 1:
+        pytest.skip("this machine's GEMMs compute rows alike at no two row counts for these widths")
+    numerics = Numerics(decode_rows=low, decode_max_rows=high)
+    assert numerics.name.endswith(f"rows{low}-{high}")
+    assert sum(band_tiles(high + 3, numerics.decode_band)) >= high + 3
+    prompts = [[(7 * i + 3 * j) % 300 + 5 for j in range(3 + i % 5)] for i in range(high + 3)]
+
+    def decode(members: list[int], steps: int) -> dict[int, list[torch.Tensor]]:
+        shard = Shard(model, 0, 4, numerics=numerics, keep_logits=True)
+        tokens = {i: [shard.forward(_first(f"s{i}", prompts[i], (0, 4))).token] for i in members}
+        logits: dict[int, list[torch.Tensor]] = {i: [] for i in members}
+        for step in range(1, steps):
+            batch = [_decode(f"s{i}", tokens[i][-1], len(prompts[i]) + step - 1, step, (0, 4)) for i in members]
+            for i, result in zip(members, shard.forward_batch(batch), strict=True):
+                assert not isinstance(result, Exception), result
+                tokens[i].append(result.token)
+                logits[i].append(result.logits)
+        return logits
+
+    together = decode(list(range(len(prompts))), 3)  # more sessions than the band: tiles
+    pair = decode([0, 1], 3)  # inside the band: no tiles
+    for i in (0, 1, len(prompts) - 1):
+        alone = decode([i], 3)[i]  # one row, padded
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True))
+        if i in pair:
+            assert all(torch.equal(a, b) for a, b in zip(alone, pair[i], strict=True))
+
+
+def test_a_band_name_round_trips_and_tiles_stay_inside_it():
+    from meshd.runtime.numerics import band_tiles, numerics_from_name
+
+    banded = Numerics(torch.float32, decode_rows=2, decode_max_rows=15)
+    assert banded.name == "cpu/float32/prefill-native/decode-native-rows2-15"
+    assert numerics_from_name(banded.name, "cpu") == banded
+    assert numerics_from_name(Numerics().name, "cpu") == Numerics()
+    assert band_tiles(1, (2, 15)) == [2] and band_tiles(15, (2, 15)) == [15]
+    assert band_tiles(16, (2, 15)) == [8, 8] and band_tiles(31, (2, 15)) == [11, 10, 10]
+    assert band_tiles(13, (8, 8)) == [8, 8] and band_tiles(5, (1, 1)) == [1] * 5

@@ -94,6 +94,11 @@ class SpeedChecks:
         self._waiting: dict[str, tuple[str, str]] = {}  # peer -> (model, compat key)
         self._wake = trio.Event()
 
+    @property
+    def pending(self) -> int:
+        """Hops waiting to be timed, or being timed now."""
+        return len(self._waiting)
+
     def of(self, peer_id: str) -> dict | None:
         record = self.records.get(peer_id)
         return record.as_json() if record is not None else None

@@ -47,19 +47,45 @@ class _Timestamps:
 class Baseline:
     """The whole model loaded once in this process; :meth:`measure` times greedy generation of exactly
     ``new_tokens`` (no EOS stop) per token, as often as asked (the benchmark measures it again
-    between meshes, so that every mesh is compared with a baseline taken next to it in time)."""
+    between meshes, so that every mesh is compared with a baseline taken next to it in time). With
+    ``int8``, its linears compute as the peers' do at ``--dtype int8`` (:mod:`meshd.runtime.int8`)."""
 
-    def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None) -> None:
+    def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None,
+                 int8: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
+
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+        if int8:
+            quantize_linears(self.model)
+            release_freed_memory()
         self.model.eval()
         self.model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.model_bytes += int8_bytes(self.model)
         self.prompt_ids = list(prompt_ids)
         self.new_tokens = new_tokens
         self.token_ids: list[int] | None = None
         self._generate(min(4, new_tokens))  # warm-up: first-call allocations and kernel selection
+
+    def batched_tok_s(self, batch: int) -> float:
+        """Tokens per second of one greedy ``generate()`` over ``batch`` copies of the prompt, all its
+        new tokens over the wall time from the call to the end (as the mesh's aggregate is taken):
+        the ceiling for concurrent sessions on one machine."""
+        import time
+
+        import torch
+        from transformers import GenerationConfig
+
+        input_ids = torch.tensor([self.prompt_ids] * batch)
+        config = GenerationConfig(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=self.model.config.pad_token_id)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+        wall = time.perf_counter() - started
+        return batch * (out.shape[1] - len(self.prompt_ids)) / wall
 
     def _generate(self, max_new: int, streamer: Any = None) -> Any:
         import torch

@@ -14,6 +14,10 @@ Runs on shaped links (``meshctl bench --link``) go under ``links``, by shape lab
 its shaper delivered on loopback (``shaper``), and ``meshes``: a list of variants run on that link,
 each with the ``setup`` it ran with and the same mesh figures as the top level. The top level stays
 the plain loopback run either way.
+
+At ``--dtype int8`` the plain loopback meshes run again in float32, each against a float32 process
+(``float32``: the same figures), and ``int8_speedup`` sets int8's decode tok/s over float32's, of one
+process and of each mesh; ``quality`` holds the held-out perplexity of the ``trained`` model in both.
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
     aggregate = dict(sorted(largest.aggregate_tok_s.items()))
     gain_at = 4 if 4 in aggregate else min((c for c in aggregate if c > 1), default=None)
     gain = aggregate[gain_at] / aggregate[1] if gain_at is not None and 1 in aggregate else None
+    ceiling: dict[int, float] = getattr(largest, "ceiling_tok_s", {})
     return {
         **meta,
         "baseline_tok_s": _r(baseline.decode_tok_s),
@@ -159,6 +164,9 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "aggregate_peers": largest.peers,
         "batching_gain": _r(gain, 4),
         "batching_gain_concurrency": gain_at,
+        "ceiling_tok_s": {str(c): _r(v) for c, v in sorted(ceiling.items())},
+        "ceiling_ratio": {str(c): _r(aggregate[c] / v, 4) for c, v in sorted(ceiling.items())
+                          if c in aggregate and v > 0},
         "batches": largest.batches,
         "peer_rss_mb": {str(m.peers): [_r(v, 1) for v in m.rss_mb] for m in meshes},
         "model_size_mb": _r(baseline.model_bytes / 2**20, 1),
@@ -232,6 +240,10 @@ def format_summary(report: dict) -> str:
         gain = report["batching_gain"]
         lines += ["", f"aggregate tok/s with {report['aggregate_peers']} peers: {levels}"
                   + (f"; batching gain (c={report['batching_gain_concurrency']} / c=1) {gain:.2f}x" if gain else "")]
+        if report.get("ceiling_tok_s"):
+            lines.append("one process, batched generate() at the same batch: " + ", ".join(
+                f"c={c}: {v:.2f} tok/s (mesh {report['ceiling_ratio'].get(c, 0):.2f}x)"
+                for c, v in report["ceiling_tok_s"].items()))
     for i, batches in enumerate(report.get("batches") or []):
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "
@@ -265,7 +277,24 @@ def format_summary(report: dict) -> str:
             for mode, by_peers in modes.items():
                 cells = ", ".join(f"{k} peer{'s' if k != '1' else ''} {_fmt(v, '.2f')}x" for k, v in by_peers.items())
                 lines.append(f"  {place}, speculative {mode}: {cells}")
+    if report.get("int8_speedup"):
+        lines += ["", *_int8_lines(report)]
     return "\n".join(lines)
+
+
+def _int8_lines(report: dict) -> list[str]:
+    """int8 against float32 in the same run: decode speed of one process and of each mesh, and quality."""
+    fp32, speedup, quality = report["float32"], report["int8_speedup"], report["quality"]
+    meshes = ", ".join(f"{k} peer{'s' if k != '1' else ''} {_fmt(v, '.2f')}x ({_fmt(report['mesh_tok_s'][k])} vs "
+                       f"{_fmt(fp32['mesh_tok_s'].get(k))} tok/s)" for k, v in speedup["mesh"].items())
+    ppl = quality["perplexity"]
+    return [f"int8 against float32, decode tok/s in this run: one process {_fmt(speedup['one_process'], '.2f')}x "
+            f"({_fmt(report['baseline_tok_s'])} vs {_fmt(fp32['baseline_tok_s'])}); {meshes}",
+            f"  float32 meshes: tokens identical to the float32 baseline: "
+            f"{'yes' if fp32['tokens_identical'] else 'NO'}, every split identical: "
+            f"{'yes' if fp32['split_identical'] else 'NO'} (numerics {fp32.get('numerics')})",
+            f"  held-out perplexity of {quality['model']}: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f} "
+            f"({quality['perplexity_increase'] * 100:+.2f} %)"]
 
 
 def _link_lines(report: dict) -> list[str]:
@@ -303,3 +332,52 @@ def format_gguf_summary(report: dict) -> str:
               f"{'yes' if report['split_identical'] else 'NO'}"]
     return "\n".join(lines)
 
+
+
+def _server_name(key: str) -> str:
+    return "one process" if key == "one_process" else f"{key} peer" + ("s" if key != "1" else "")
+
+
+def _p3(window: dict, digits: str = ".0f") -> str:
+    return "/".join(_fmt(window.get(q), digits) for q in ("p50", "p95", "p99"))
+
+
+def _mean_batch(batches: list[dict]) -> float | None:
+    """The mean decode batch over a load's hops (or the one process's batches)."""
+    return _mean([b["mean_batch"] for b in batches if b.get("mean_batch") is not None])
+
+
+def format_serve_summary(report: dict) -> str:
+    """The serving benchmark: every load on every server, then the ratios within the run."""
+    lines = [
+        f"serving {report['model']} ({report['dtype']}), {report['requests_per_load']} requests per load: prompts "
+        f"{min(report['prompt_tokens_choices'])}..{max(report['prompt_tokens_choices'])} tokens, outputs "
+        f"{min(report['new_tokens_choices'])}..{max(report['new_tokens_choices'])}, seed {report['seed']}; "
+        f"{report['torch_threads']} torch threads, {report['cpu_count']} CPUs, load {report['load_avg_1m'][0]} -> "
+        f"{report['load_avg_1m'][1]}",
+        "",
+        f"{'load':16}{'server':13}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p95/p99 ms':>22}{'ITL p50/p95/p99 ms':>21}"
+        f"{'latency p50/p95/p99 ms':>25}{'batch':>7}  same",
+    ]
+    servers = report["servers"]
+    for kind in ("closed", "poisson"):
+        for key in servers["one_process"][kind]:
+            label = f"{key} clients" if kind == "closed" else f"Poisson {key}/s"
+            for name, server in servers.items():
+                got = server[kind].get(key)
+                if got is None:
+                    continue
+                lines.append(f"{label:16}{_server_name(name):13}{_fmt(got['tok_s']):>9}{_fmt(got['req_s'], '.3f'):>8}"
+                             f"{_p3(got['ttft_ms']):>22}{_p3(got['itl_ms'], '.1f'):>21}{_p3(got['latency_ms']):>25}"
+                             f"{_fmt(_mean_batch(got['batches'])):>7}  {got['replies_identical']}/{got['requests']}")
+                label = ""
+    lines.append("batch: mean decode batch (over the hops for a mesh); same: replies equal to the one process's")
+    for level, by_peers in report["closed_loop_ratio"].items():
+        cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in by_peers.items())
+        lines.append(f"closed loop, {level} clients: mesh tok/s over the one process's: {cells}")
+    sustained, ratio = report["sustained_rate"], report["sustained_ratio"]
+    cells = ", ".join(f"{_server_name(k)} {_fmt(v, 'g')}/s" + (f" ({_fmt(ratio[k], '.3f')}x)" if k in ratio else "")
+                      for k, v in sustained.items())
+    lines.append(f"sustained Poisson rate (p95 TTFT under {report['ttft_bound_s']:g} s up to it): {cells}")
+    lines.append(f"every request got exactly its tokens: {'yes' if report['tokens_exact'] else 'NO'}")
+    return "\n".join(lines)

@@ -22,12 +22,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -37,7 +37,7 @@ from meshd.bench.report import build_report, link_report
 from meshd.bench.wakeup import measure_wakeups
 from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
-from meshd.daemon.local_mesh import LocalMesh, LocalMeshError
+from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, LocalPeer
 from meshd.links.calibrate import calibrate
 from meshd.links.profiles import LinkShape
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
@@ -86,6 +86,7 @@ class MeshResult:
     numerics: str = ""
     texts: list[str] = field(default_factory=list)  # what each single-session run answered
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
+    ceiling_tok_s: dict[int, float] = field(default_factory=dict)  # one process, batched generate(), batch c
     batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
     route: dict = field(default_factory=dict)  # the route the entry plans after the runs, with its cost terms
 
@@ -102,6 +103,17 @@ def resolve_model(spec: str, say: Say) -> Path:
         raise BenchError(f"{spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
                          "nor a model directory with a config.json")
     return path
+
+
+def splittable_model(spec: str, peers: tuple[int, ...], say: Say) -> tuple[Path, int]:
+    """The model directory (:func:`resolve_model`) and its layer count, which every peer count must fit."""
+    from transformers import AutoConfig
+
+    model_dir = resolve_model(spec, say)
+    n_layers: int = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    if max(peers) > n_layers:
+        raise BenchError(f"{model_dir.name} has {n_layers} layers; it cannot be split over {max(peers)} peers")
+    return model_dir, n_layers
 
 
 def resolve_gguf(spec: str, quant: str, say: Say) -> Path:
@@ -134,6 +146,7 @@ class Setup:
     flags: tuple[str, ...]
     link: LinkShape | None = None
     speculative: str = "off"
+    reference: str = ""  # the one process its meshes are compared with: "" the run's own, or a dtype
 
     @property
     def link_label(self) -> str:
@@ -155,26 +168,46 @@ def speculative_setups(cfg: BenchConfig, draft_dir: Path | None) -> list[Setup]:
     return out
 
 
-def _bracketed_meshes(setups: list[Setup], model: Path, model_id: str, n_layers: int,
-                      prompt: Prompt, expected: str, base: _Measures, measured: list[BaselineResult],
-                      cfg: BenchConfig, say: Say) -> dict[str, list[MeshResult]]:
-    """Each setup as a mesh of every peer count, each followed by baseline runs, so that a mesh's ratio
-    uses the baseline measured just before and just after it (appended to ``measured``). A failure
-    keeps the peers' logs and says where."""
+@dataclass
+class Reference:
+    """One process computing as some setups' meshes do: its measurements (the first taken before any
+    mesh, then one after each of theirs) and the text its greedy run answers."""
+
+    base: _Measures
+    measured: list[BaselineResult]
+    expected: str
+
+
+def _bracketed_meshes(setups: list[Setup], model: Path, model_id: str, n_layers: int, prompt: Prompt,
+                      references: dict[str, Reference], cfg: BenchConfig, say: Say) -> dict[str, list[MeshResult]]:
+    """Each setup as a mesh of every peer count, each followed by runs of its reference (which is
+    measured again first when the mesh before was another's), so that a mesh's ratio uses its
+    baseline measured just before and just after it (appended to the reference's ``measured``). A
+    failure keeps the peers' logs and says where."""
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     out: dict[str, list[MeshResult]] = {}
+    last = setups[0].reference if setups else ""
     try:
         with _overall(len(setups) * len(cfg.peers)) as bar:
             for setup in setups:
                 label = setup.label
+                ref = references[setup.reference]
+                measured = ref.measured
                 for k in sorted(cfg.peers):
                     levels = sorted(cfg.concurrency) if k == max(cfg.peers) else []
+                    if setup.reference != last:
+                        measured.append(ref.base.measure(cfg.runs))
+                        last = setup.reference
                     if label:
                         say(f"{label}: mesh of {k}")
-                    mesh = _measure_mesh(model, model_id, k, even_ranges(n_layers, k), prompt, expected,
+                    mesh = _measure_mesh(model, model_id, k, even_ranges(n_layers, k), prompt, ref.expected,
                                          measured[0], cfg, workdir / f"{_slug(label) + '-' if label else ''}peers{k}",
                                          levels, say, setup)
-                    measured.append(base.measure(cfg.runs))
+                    if levels and hasattr(ref.base, "batched_tok_s"):
+                        mesh.ceiling_tok_s = {c: ref.base.batched_tok_s(c) for c in levels if c > 1}
+                        say("one process, batched generate(): " + ", ".join(
+                            f"batch {c}: {v:.2f} tok/s" for c, v in mesh.ceiling_tok_s.items()))
+                    measured.append(ref.base.measure(cfg.runs))
                     mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
                     say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
                     out.setdefault(label, []).append(mesh)
@@ -210,15 +243,35 @@ def _overall(meshes: int) -> AbstractContextManager[Progress]:
 
 
 def _prepare(cfg: BenchConfig) -> None:
-    """Check the counts and keep transformers offline and quiet (its bars would interleave with ours)."""
+    """Check the counts and keep transformers offline and quiet."""
     if cfg.runs < 1 or cfg.new_tokens < 2 or cfg.prompt_tokens < 1:
         raise BenchError("--runs and --prompt-tokens must be at least 1, --new-tokens at least 2")
+    quiet_transformers()
+
+
+def quiet_transformers() -> None:
+    """Keep transformers offline and quiet: its bars would interleave with the bench's lines."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def machine_meta(threads: int, load_start_1m: float) -> dict[str, Any]:
+    """Where and with what a report was measured: threads, CPUs, versions, date, and the 1-minute load
+    at the start and now (other work on the machine skews every figure)."""
+    import torch
+    import transformers
+
+    return {
+        "torch_threads": threads, "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+        "meshd_version": __version__, "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_avg_1m": [round(load_start_1m, 2), round(os.getloadavg()[0], 2)],
+    }
 
 
 def run_bench(cfg: BenchConfig, say: Say) -> dict:
@@ -229,14 +282,10 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         return run_gguf_bench(cfg, say)
     _prepare(cfg)
     import torch
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model_dir = resolve_model(cfg.model, say)
+    model_dir, n_layers = splittable_model(cfg.model, cfg.peers, say)
     model_id = model_dir.name
-    n_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    if max(cfg.peers) > n_layers:
-        raise BenchError(f"{model_id} has {n_layers} layers; it cannot be split over {max(cfg.peers)} peers")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = build_prompt(tokenizer, cfg.prompt_tokens)
     if len(prompt.ids) != cfg.prompt_tokens:
@@ -250,32 +299,38 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     shapers = _calibrate_links(cfg.links, say)
     say(f"baseline: {model_id} in this process, {torch.get_num_threads()} torch threads, "
         f"{len(prompt.ids)} prompt + {cfg.new_tokens} new tokens, {cfg.runs} runs before and after each mesh")
+    from meshd.runtime.numerics import INT8
     from meshd.runtime.shard import resolve_dtype
 
     held = resolve_dtype(cfg.dtype, model_dir)
-    say(f"dtype: {held} (the peers' --dtype {cfg.dtype}; transformers computes the baseline in it)")
-    base = Baseline(model_dir, prompt.ids, cfg.new_tokens, dtype=held)
-    measured = [base.measure(cfg.runs)]
-    expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
-    say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
+    int8 = cfg.dtype == INT8
+    say(f"dtype: {cfg.dtype if int8 else held} (the peers' --dtype {cfg.dtype}; transformers computes the "
+        "baseline so)")
+
+    def reference(dtype: Any, int8: bool, label: str = "") -> Reference:
+        base = Baseline(model_dir, prompt.ids, cfg.new_tokens, dtype=dtype, int8=int8)
+        first = base.measure(cfg.runs)
+        say(f"baseline{label}: {first.decode_tok_s:.2f} tok/s, TTFT {first.ttft_ms:.1f} ms")
+        return Reference(base, [first], tokenizer.decode(first.token_ids, skip_special_tokens=True))
+
+    references = {"": reference(held, int8)}
+    measured = references[""].measured
 
     draft_dir = resolve_model(cfg.draft_model, say) if cfg.draft_model else None
     setups = speculative_setups(cfg, draft_dir)
-    by_setup = _bracketed_meshes(setups, model_dir, model_id, n_layers, prompt, expected, base, measured, cfg, say)
+    if int8:  # the plain loopback meshes again in float32, each against one float32 process
+        references[FLOAT32] = reference(torch.float32, False, f" ({FLOAT32})")
+        setups.append(replace(setups[0], label=FLOAT32, flags=_with_dtype(setups[0].flags, FLOAT32),
+                              reference=FLOAT32))
+    by_setup = _bracketed_meshes(setups, model_dir, model_id, n_layers, prompt, references, cfg, say)
     meshes = by_setup[""]
     baseline = _pooled(measured)
 
     meta = {
         "model": model_id, "model_dir": str(model_dir), "prompt_tokens": len(prompt.ids),
         "prompt_tokens_requested": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
-        "torch_threads": baseline.torch_threads, "cpu_count": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False), "meshd_version": __version__,
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        # other work on the machine skews every figure; the 1-minute load at the start and at the end
-        "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
-        "dtype": str(held).removeprefix("torch."),
+        **machine_meta(baseline.torch_threads, load_start[0]),
+        "dtype": cfg.dtype if int8 else str(held).removeprefix("torch."),
         "numerics": meshes[0].numerics if meshes else None,
         "wakeup": wakeups,
     }
@@ -294,7 +349,49 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         report["links"] = {shape.label: link_report(shape, shapers[shape.label], baseline, variants(shape))
                            for shape in cfg.links}
     report["speculative_speedup"] = speculative_speedup(report)
+    if int8:
+        report[FLOAT32] = build_report({"dtype": FLOAT32, "numerics": by_setup[FLOAT32][0].numerics},
+                                       _pooled(references[FLOAT32].measured), by_setup[FLOAT32])
+        report["int8_speedup"] = int8_speedup(report, report[FLOAT32])
+        report["quality"] = int8_quality(say)
     return report
+
+
+FLOAT32 = "float32"
+
+
+def _with_dtype(flags: tuple[str, ...], dtype: str) -> tuple[str, ...]:
+    """The peers' flags with ``--dtype`` set to ``dtype``."""
+    out = list(flags)
+    at = out.index("--dtype")
+    out[at + 1] = dtype
+    return tuple(out)
+
+
+def int8_speedup(int8: dict, fp32: dict) -> dict[str, Any]:
+    """Decode tok/s at int8 over float32, both measured in this run: of one process, and of the mesh
+    of each peer count."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 4) if a and b else None
+
+    return {"one_process": ratio(int8["baseline_tok_s"], fp32["baseline_tok_s"]),
+            "mesh": {k: ratio(tok_s, fp32["mesh_tok_s"].get(k)) for k, tok_s in int8["mesh_tok_s"].items()}}
+
+
+QUALITY_MODEL = "trained"  # a built-in model with real statistics: perplexity means something
+
+
+def int8_quality(say: Say) -> dict[str, Any]:
+    """Held-out perplexity of the built-in ``trained`` model in float32 and at int8, and the relative
+    increase (created, and trained, first when it is not there yet)."""
+    from meshd.models.trained import heldout_perplexity
+
+    model_dir = resolve_model(QUALITY_MODEL, say)
+    fp32, int8 = (heldout_perplexity(model_dir, int8=q).perplexity for q in (False, True))
+    say(f"held-out perplexity of {QUALITY_MODEL}: float32 {fp32:.3f}, int8 {int8:.3f} "
+        f"({(int8 / fp32 - 1) * 100:+.2f} %)")
+    return {"model": QUALITY_MODEL, "perplexity": {FLOAT32: round(fp32, 4), "int8": round(int8, 4)},
+            "perplexity_increase": round(int8 / fp32 - 1, 5)}
 
 
 def speculative_speedup(report: dict) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -349,8 +446,8 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
     measured = [base.measure(cfg.runs)]
     expected = tokenizer.decode(measured[0].token_ids, skip_special_tokens=True)
     say(f"baseline: {measured[0].decode_tok_s:.2f} tok/s, TTFT {measured[0].ttft_ms:.1f} ms")
-    by_path = _bracketed_meshes(list(GGUF_PATHS), gguf_path, model_id, n_layers, prompt, expected, base, measured,
-                                cfg, say)
+    by_path = _bracketed_meshes(list(GGUF_PATHS), gguf_path, model_id, n_layers, prompt,
+                                {"": Reference(base, measured, expected)}, cfg, say)
     reference = base.generate(AGREEMENT_STEPS)
     base.close()
     say(f"top-1 agreement: the torch path teacher-forced over llama.cpp's {AGREEMENT_STEPS} greedy tokens")
@@ -384,13 +481,25 @@ def _pooled(measured: list[BaselineResult]) -> BaselineResult:
                    runs_tok_s=tok_s, runs_ttft_ms=ttft)
 
 
-def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
-                  expected: str, baseline: BaselineResult, cfg: BenchConfig, workdir: Path,
-                  levels: list[int], say: Say, setup: Setup) -> MeshResult:
+@dataclass(frozen=True)
+class RunningMesh:
+    """A started mesh: its peers in start order (the first is the head and the entry), the same peers in
+    route order, and an OpenAI client on the entry's API."""
+
+    peers: list[LocalPeer]
+    hops: list[LocalPeer]
+    client: Any
+
+
+@contextmanager
+def running_mesh(model_dir: Path, model_id: str, ranges: list[tuple[int, int]], threads: int, workdir: Path,
+                 say: Say, setup: Setup) -> Iterator[RunningMesh]:
+    """``meshd run`` processes on loopback holding ``ranges`` (the first is the head), each computing with
+    ``threads`` torch threads, covered and ready for requests; stopped on exit."""
     from openai import OpenAI
 
-    threads = str(baseline.torch_threads)
-    env = {"MESHD_TORCH_THREADS": threads, "OMP_NUM_THREADS": threads}
+    k = len(ranges)
+    env = {"MESHD_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     link = setup.link.spec if setup.link is not None else None
     with LocalMesh(workdir, log_level="warning", env=env, link_shape=link) as mesh:
         say(f"mesh of {k}: starting peers with layers {', '.join(f'[{s},{e})' for s, e in ranges)}")
@@ -402,6 +511,15 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
         hops = sorted(peers, key=lambda p: p.get("/status")["range"][0])
         client = OpenAI(base_url=f"http://{peers[0].api}/v1", api_key="meshd", timeout=REQUEST_TIMEOUT_S,
                         max_retries=0)
+        yield RunningMesh(peers, hops, client)
+        say(f"mesh of {k}: stopping")
+
+
+def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int, int]], prompt: Prompt,
+                  expected: str, baseline: BaselineResult, cfg: BenchConfig, workdir: Path,
+                  levels: list[int], say: Say, setup: Setup) -> MeshResult:
+    with running_mesh(model_dir, model_id, ranges, baseline.torch_threads, workdir, say, setup) as running:
+        peers, hops, client = running.peers, running.hops, running.client
 
         def request(max_tokens: int) -> StreamTiming:
             return stream_completion(client, model_id, prompt.text, max_tokens)
@@ -410,6 +528,7 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
             return run.text == expected and run.completion_tokens == cfg.new_tokens
 
         request(min(4, cfg.new_tokens))  # warm-up: connections, routes, first-call allocations
+        wait_for_speed_checks(peers[0], say)
         for hop in hops:
             hop.get("/stats?reset=1")
         runs: list[StreamTiming] = []
@@ -440,31 +559,55 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
                 f"over {wall:.1f}s, {same}/{c} identical")
         if levels:
             result.batches = [hop.get("/stats")["batches"] for hop in hops]
-        say(f"mesh of {k}: stopping")
     return result
+
+
+def say(message: str) -> None:
+    """A progress line of the benchmark on stderr, stamped with the time of day."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def written_report(measure: Callable[[Say], dict], out: Path, summary: Callable[[dict], str]) -> dict | None:
+    """Run ``measure``, write its report to ``out`` and print its summary table; None, said on stderr,
+    when the benchmark could not run."""
+    from openai import APIError
+
+    from meshd.bench.report import write_report
+
+    try:
+        report = measure(say)
+    except (BenchError, LocalMeshError, APIError) as exc:
+        print(f"meshctl bench: {exc}", file=sys.stderr)
+        return None
+    write_report(out, report)
+    say(f"wrote {out}")
+    print(summary(report))
+    return report
+
+
+SPEED_CHECK_TIMEOUT_S = 120.0
+
+
+def wait_for_speed_checks(entry: LocalPeer, say: Say) -> None:
+    """Wait until the entry has timed the hops its first route uses: those checks are real decode
+    steps on the hops' compute threads, and runs measured while they go on measure them too."""
+    deadline = time.monotonic() + SPEED_CHECK_TIMEOUT_S
+    while entry.get("/status").get("speed_checks", {}).get("pending", 0):
+        if time.monotonic() > deadline:
+            say(f"note: the entry's speed checks of its hops still run after {SPEED_CHECK_TIMEOUT_S:.0f}s")
+            return
+        time.sleep(0.2)
 
 
 def main_bench(cfg: BenchConfig, out: Path) -> int:
     """The ``meshctl bench`` command: run, write the JSON, print the table; 1 if tokens differ."""
-    from openai import APIError
+    from meshd.bench.report import format_gguf_summary, format_summary
 
-    from meshd.bench.report import format_gguf_summary, format_summary, write_report
-
-    def say(message: str) -> None:
-        print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-    try:
-        report = run_bench(cfg, say)
-    except (BenchError, LocalMeshError, APIError) as exc:
-        print(f"meshctl bench: {exc}", file=sys.stderr)
+    report = written_report(lambda s: run_bench(cfg, s), out,
+                            lambda r: format_gguf_summary(r) if r.get("format") == "gguf" else format_summary(r))
+    if report is None:
         return 1
-    write_report(out, report)
-    say(f"wrote {out}")
-    if report.get("format") == "gguf":
-        print(format_gguf_summary(report))
-    else:
-        print(format_summary(report))
-    if not report["split_identical"]:
+    if not report["split_identical"] or not report.get("float32", report)["split_identical"]:
         print("meshctl bench: the meshes' tokens differ from one split to another", file=sys.stderr)
         return 1
     if report.get("format") != "gguf" and not report["tokens_identical"] and report["dtype"] == "float32":

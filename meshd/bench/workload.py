@@ -24,19 +24,20 @@ class Prompt:
     ids: list[int]
 
 
-def build_prompt(tokenizer: Any, n_tokens: int) -> Prompt:
+def build_prompt(tokenizer: Any, n_tokens: int, start: int = 0) -> Prompt:
     """Deterministic text that the tokenizer turns into exactly ``n_tokens`` ids (as the API will).
 
-    The text is cut from a repeated paragraph at a token boundary; because re-encoding a decoded
-    prefix can merge differently at its end, nearby cuts are tried until one round-trips to the
-    requested count. If none does, the closest is used and its real length is what gets recorded.
+    The text is cut from a repeated paragraph at a token boundary, ``start`` tokens into it (so that
+    prompts of one length can differ); because re-encoding a decoded piece can merge differently at
+    its ends, nearby cuts are tried until one round-trips to the requested count. If none does, the
+    closest is used and its real length is what gets recorded.
     """
-    if n_tokens < 1:
-        raise ValueError("the prompt needs at least one token")
+    if n_tokens < 1 or start < 0:
+        raise ValueError("the prompt needs at least one token and a start of at least 0")
     source = _SEED_TEXT
-    while len(tokenizer(source)["input_ids"]) < n_tokens + 16:
+    while len(tokenizer(source)["input_ids"]) < start + n_tokens + 16:
         source += _SEED_TEXT
-    ids = tokenizer(source)["input_ids"]
+    ids = tokenizer(source)["input_ids"][start:]
     best: Prompt | None = None
     for cut in sorted(range(max(1, n_tokens - 8), n_tokens + 9), key=lambda c: (abs(c - n_tokens), c)):
         text = tokenizer.decode(ids[:cut])
@@ -58,6 +59,8 @@ class StreamTiming:
     first_s: float
     last_s: float
     chunks: int
+    chunk_s: tuple[float, ...] = ()  # when each chunk with text arrived
+    started: float = 0.0  # ``time.perf_counter()`` when the request was sent
 
     @property
     def ttft_ms(self) -> float:
@@ -73,6 +76,7 @@ class StreamTiming:
 def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> StreamTiming:
     """A greedy streamed ``/v1/completions`` request that runs to ``max_tokens`` (``ignore_eos``)."""
     parts: list[str] = []
+    times: list[float] = []
     first = last = None
     usage = None
     started = time.perf_counter()
@@ -86,8 +90,9 @@ def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> 
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].text:
             parts.append(chunk.choices[0].text)
+            times.append(now)
             first = now if first is None else first
             last = now
     if usage is None or first is None or last is None:
         raise RuntimeError(f"the streamed completion from {model!r} carried no text or no usage")
-    return StreamTiming("".join(parts), usage.completion_tokens, first, last, len(parts))
+    return StreamTiming("".join(parts), usage.completion_tokens, first, last, len(parts), tuple(times), started)

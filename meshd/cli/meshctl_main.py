@@ -10,6 +10,7 @@ from pathlib import Path
 from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
 from meshd.cli.service_cmd import add_service_parser
 from meshd.cli.sim_cmd import add_sim_parser
+from meshd.daemon.config import DTYPE_CHOICES
 from meshd.links.profiles import LinkShape, LinkShapeError, parse_link_shapes
 from meshd.models import BUILTIN_NAMES
 from meshd.session import SPECULATIVE_MODES
@@ -64,6 +65,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(sorted({float(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected numbers above 0, got {text!r}")
+    return values
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     wrong = [m for m in modes if m not in SPECULATIVE_MODES]
@@ -80,10 +91,12 @@ def _link_shapes(text: str) -> tuple[LinkShape, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        return _cmd_bench_serve(args)
     from meshd.bench.runner import BenchConfig, main_bench
 
     links = {shape.label: shape for shapes in args.link or [] for shape in shapes}
-    cfg = BenchConfig(model=args.model, peers=args.peers, concurrency=args.concurrency,
+    cfg = BenchConfig(model=args.model, peers=args.peers or (1, 2, 3), concurrency=args.concurrency,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=args.runs,
                       workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype, format=args.format,
                       quant=args.quant, links=tuple(links.values()), speculative=args.speculative,
@@ -91,6 +104,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     name = Path(args.model).name + (f"-gguf-{args.quant}" if args.format == "gguf" else "")
     out = Path(args.out) if args.out else Path("bench-out") / f"bench-{name}.json"
     return main_bench(cfg, out)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from meshd.bench.serving import PEERS, ServeConfig, main_serve
+
+    if args.format != "safetensors" or args.link or args.speculative != ("off",):
+        print("meshctl bench: --serve measures safetensors meshes on loopback without speculation; it does not "
+              "take --format gguf, --link or --speculative", file=sys.stderr)
+        return 2
+    if args.dtype == "int8":
+        print("meshctl bench: --serve compares with one transformers process in the checkpoint's dtypes; it does "
+              "not take --dtype int8", file=sys.stderr)
+        return 2
+    cfg = ServeConfig(model=args.model, peers=args.peers or PEERS, clients=args.serve_clients,
+                      rates=args.serve_rates or (), requests=args.serve_requests, seed=args.seed,
+                      ttft_bound_s=args.serve_ttft_bound_s, prompt_tokens=args.serve_prompt_tokens,
+                      new_tokens=args.serve_new_tokens, dtype=args.dtype,
+                      workdir=Path(args.workdir) if args.workdir else None)
+    out = Path(args.out) if args.out else Path("bench-out") / f"serve-{Path(args.model).name}.json"
+    return main_serve(cfg, out)
 
 
 def _cmd_bench_relay(args: argparse.Namespace) -> int:
@@ -169,23 +202,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--model", default="bench", metavar="NAME|DIR",
                        help="built-in model name or model directory (default: bench)")
-    bench.add_argument("--peers", type=_int_list, default=(1, 2, 3), metavar="LIST", help="peer counts (default 1,2,3)")
+    bench.add_argument("--peers", type=_int_list, metavar="LIST",
+                       help="peer counts (default 1,2,3; with --serve 1,3)")
     bench.add_argument("--concurrency", type=_int_list, default=(1, 4, 8), metavar="LIST",
                        help="concurrent sessions, run on the largest peer count (default 1,4,8)")
     bench.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
     bench.add_argument("--new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
     bench.add_argument("--runs", type=int, default=3, metavar="N",
                        help="single-session runs per setup; medians are reported (default 3)")
-    bench.add_argument("--out", metavar="FILE", help="JSON report (default: bench-out/bench-MODEL.json)")
+    bench.add_argument("--out", metavar="FILE",
+                       help="JSON report (default: bench-out/bench-MODEL.json, with --serve "
+                       "bench-out/serve-MODEL.json)")
     bench.add_argument("--workdir", metavar="DIR", help="keep peer data and logs here (default: a temporary directory)")
     bench.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                        help="gguf: the model as one GGUF file; llama.cpp on the whole file in one process is the "
                        "baseline, and meshes of both engines (llama.cpp ranges, torch) are measured")
     bench.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"], default="q8_0",
                        help="with --format gguf and a built-in model: the file's quantization (default q8_0)")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    bench.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
-                       "the checkpoint's)")
+                       "the checkpoint's); int8 also measures float32 in the same run (decode tok/s of one process "
+                       "and of each mesh) and the held-out perplexity of the trained model in both")
     bench.add_argument("--link", action="append", type=_link_shapes, metavar="PROFILE[,PROFILE...]",
                        help="also run every mesh with each peer's outgoing peer traffic shaped as this link: lan "
                        "(0.5ms/1Gbit), wifi (3ms±2ms/200Mbit), wan (20ms/50Mbit) or DELAY[±JITTER]/RATE such as "
@@ -198,6 +235,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", metavar="NAME|DIR",
                        help="built-in model name or directory the peers draft with (--draft-model of meshd run), "
                        "e.g. draft for the built-in trained model")
+    serve = bench.add_argument_group(
+        "serving (--serve)", "Requests arriving at a server instead of single sessions: a seeded mix of prompt and "
+        "output lengths, sent as Poisson arrivals at several rates and from closed-loop clients, to one process "
+        "serving the model in batches (the ceiling for one machine) and to meshes of each --peers count. "
+        "--concurrency, --runs, --prompt-tokens and --new-tokens do not apply.")
+    serve.add_argument("--serve", action="store_true",
+                       help="run the serving benchmark instead of the standard workload (docs/benchmarks.md)")
+    serve.add_argument("--serve-rates", type=_float_list, metavar="LIST",
+                       help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.5, 0.75 and 1 times "
+                       "the one process's closed-loop capacity, measured first)")
+    serve.add_argument("--serve-clients", type=_int_list, default=(4, 8), metavar="LIST",
+                       help="closed-loop client counts: each client sends its next request when its last one ends; "
+                       "the one process batches up to this many, and up to the largest under Poisson arrivals "
+                       "(default 4,8)")
+    serve.add_argument("--serve-requests", type=int, default=8, metavar="N",
+                       help="requests per load, i.e. per rate and per client count (default 8)")
+    serve.add_argument("--serve-prompt-tokens", type=_int_list, default=(32, 64, 128, 256, 512), metavar="LIST",
+                       help="prompt lengths each request's is drawn from (default 32,64,128,256,512)")
+    serve.add_argument("--serve-new-tokens", type=_int_list, default=(16, 32, 64, 128), metavar="LIST",
+                       help="output lengths each request's is drawn from, generated exactly (no EOS stop) "
+                       "(default 16,32,64,128)")
+    serve.add_argument("--serve-ttft-bound-s", type=float, default=2.0, metavar="S",
+                       help="a server sustains a Poisson rate when its p95 time to first token stays under this "
+                       "many seconds there and at every lower rate (default 2.0)")
+    serve.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed of the request mix and the arrival gaps: same seed, same requests and arrival "
+                       "times (default 0)")
     bench.set_defaults(func=_cmd_bench)
 
     bench_relay = sub.add_parser(
@@ -224,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what computes the layers, as a peer would (default auto: llama.cpp for a GGUF file "
                         "when installed)")
     doctor.add_argument("--layers", metavar="START:END", help="half-open layer range (default: every layer)")
-    doctor.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    doctor.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="dtype to hold and compute in, as a peer would (default auto: the checkpoint's)")
     doctor.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or mps")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")

@@ -11,6 +11,7 @@ from pathlib import Path
 import trio
 
 from meshd.cli.signals import run_until_signalled
+from meshd.daemon.config import DTYPE_CHOICES
 from meshd.errors import reportable
 from meshd.logs import FORMATS as LOG_FORMATS
 from meshd.logs import LEVELS as LOG_LEVELS
@@ -25,12 +26,13 @@ OMP_SPIN_COUNT = 10000
 def apply_torch_threads(threads: int) -> int:
     """Set torch's compute threads for this process (0: every CPU it may run on); returns the count.
 
-    The compute thread of the shard host picks this up for its parallel regions.
+    The shard host's compute thread computes with that many; every other thread of the daemon with
+    one (:func:`meshd.runtime.host.set_compute_threads` says why).
     """
-    import torch
+    from meshd.runtime.host import set_compute_threads
 
     count = threads if threads > 0 else len(os.sched_getaffinity(0))
-    torch.set_num_threads(count)
+    set_compute_threads(count)
     return count
 
 
@@ -107,9 +109,10 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      "(every model; GGUF weights dequantized); default auto: llama.cpp for a GGUF file when "
                      "it is installed")
     run.add_argument("--layers", metavar="START:END", help="pin this half-open layer range instead of placement")
-    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    run.add_argument("--dtype", choices=DTYPE_CHOICES,
                      help="dtype of weights, activations and the seam (default auto: the checkpoint's own); "
-                     "how linears compute in it is measured at start and shown by meshctl status")
+                     "how linears compute in it is measured at start and shown by meshctl status. int8 (CPU, "
+                     "torch backend): linears' weights int8, activations, KV and the seam float32")
     run.add_argument("--numerics", metavar="CLASS",
                      help="pin the numerics class (as meshctl status shows it) instead of measuring the fastest here; "
                      "give every peer of a model the same one to keep them in one class")

@@ -16,6 +16,8 @@ from meshd.logs import FORMATS, LEVELS
 from meshd.session import SPECULATIVE_MODES
 from meshd.settings import layered_settings, parse_size, setting, setting_list
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")  # --dtype; int8: meshd.runtime.int8
+
 
 def parse_range(text: str | None) -> tuple[int, int] | None:
     """``"4:8"`` -> ``(4, 8)``, the half-open layer range ``[4, 8)``."""
@@ -58,7 +60,8 @@ class PeerConfig:
     layers: tuple[int, int] | None = setting(None, "pin this half-open layer range (\"START:END\") instead of "
                                              "letting the tracker place one")
     dtype: str = setting("auto", "dtype of weights, activations and the seam: auto (the checkpoint's), float32, "
-                         "bfloat16 or float16")
+                         "bfloat16, float16, or int8 (on the CPU, torch backend: the linears' weights int8 with a "
+                         "scale per output channel, activations, KV and the seam float32)")
     numerics: str = setting("", "pin the numerics class (as meshctl status shows it, e.g. "
                             "cpu/float32/prefill-native/decode-native-rows1) instead of measuring the fastest here: "
                             "peers in different classes never share a route, and measurements vary from peer to peer")
@@ -99,8 +102,14 @@ class PeerConfig:
     max_queue: int = setting(32, "steps waiting for compute before new sessions are refused")
     session_opens_per_s: float = setting(50.0, "sessions one peer may open on this one per second, in bursts of "
                                          "max_sessions (0: no limit)")
-    batch_hold: float = setting(1.0, "hold a decode batch for sessions due within this many one-session steps "
-                                "(0: never)")
+    batch_hold: float = setting(1.0, "hold a decode batch for sessions about to arrive while waiting costs less "
+                                "than this many times what running them apart would (the hop's measured step "
+                                "costs say; hops on a machine of their own wait at most this many one-session "
+                                "steps; 0: never)")
+    cpu_turn: bool = setting(True, "take turns computing with the other meshd peers computing on this machine's "
+                             "CPUs (one lock file per machine), instead of competing for its cores")
+    batch_latency_ms: float = setting(0.0, "largest decode step a batch may grow to, by this hop's measured step "
+                                      "costs (0: no bound beyond max_batch sessions)")
     audit_rate: float = setting(0.02, "share of the requests this peer is the entry of after which a hop of the "
                                 "route is audited: a short greedy replay of a synthetic prompt on three routes that "
                                 "differ in that hop (0: never; accusations heard are checked all the same)")
@@ -129,7 +138,8 @@ class PeerConfig:
         for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold", "session_opens_per_s"):
+        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold", "batch_latency_ms",
+                     "session_opens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} cannot be negative ({getattr(self, name)})")
         for f in fields(self):
@@ -163,7 +173,7 @@ _CONVERTERS: dict[str, Any] = {
     "memory_budget": parse_size, "kv_budget": parse_size, "card_budget": parse_size, "bootstrap": _addresses,
     "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
-    "dtype": lambda v: _choice(v, ("auto", "float32", "bfloat16", "float16")),
+    "dtype": lambda v: _choice(v, DTYPE_CHOICES),
     "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
     "link_shape": lambda v: parse_link_shape(v).label if str(v).strip() else "",

@@ -46,6 +46,7 @@ from meshd.models.gguf_model import model_directory
 from meshd.models.text import TextCodec
 from meshd.rpc import RPC_PATH, RpcRouter
 from meshd.rpc.router import MAX_OUTSIDER_REQUEST_BYTES, MAX_REQUEST_BYTES
+from meshd.runtime.cpu_turn import CpuTurn
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
@@ -179,7 +180,8 @@ class Peer:
         cfg = self.config
         return ShardHost(info.model_dir, numerics=info.numerics, manifest=info.manifest,
                          max_chunk_tokens=max(512, cfg.chunk_tokens), kv_budget_bytes=cfg.kv_budget,
-                         batch_hold=cfg.batch_hold, compute=compute)
+                         batch_hold=cfg.batch_hold, batch_latency_ms=cfg.batch_latency_ms, compute=compute,
+                         cpu_turn=CpuTurn() if cfg.cpu_turn and info.numerics.device_kind == "cpu" else None)
 
     async def _join_model(self, joining: ModelJoin) -> None:
         """Serve the model named by ``--model-id`` from fetched files; a failure is said by the status."""

@@ -164,15 +164,20 @@ def perplexity_of(forward: Forward, ids: Sequence[int], text_bytes: int, window:
 
 
 def heldout_perplexity(model_dir: Path, window: int = HELDOUT_WINDOW, dtype: torch.dtype = torch.float32,
-                       threads: int = 2) -> Perplexity:
+                       threads: int = 2, int8: bool = False) -> Perplexity:
     """The held-out perplexity of the model in ``model_dir``, which must have the trained models'
-    tokenizer (``trained``, ``draft``, or a converted or quantized copy of either)."""
+    tokenizer (``trained``, ``draft``, or a converted or quantized copy of either); with ``int8``, its
+    linears computed as at ``--dtype int8`` (:mod:`meshd.runtime.int8`)."""
     model_dir = Path(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     heldout = corpus().heldout
     ids = token_stream(tokenizer, heldout)
     with _deterministic(seed=0, threads=threads):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if int8:
+            from meshd.runtime.int8 import quantize_linears
+
+            quantize_linears(model)
         model.eval()
         return perplexity_of(lambda x: model(x).logits, ids, _utf8_bytes(heldout), window)
 

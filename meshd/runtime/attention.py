@@ -34,15 +34,16 @@ class DecodeRows:
     of ``sessions[r]``; a session with drafted tokens has several consecutive rows): it appends each
     session's new keys and values to that session's own cache and keeps, for the layer being
     computed, each row's history up to its own position and its attention mask, for
-    :func:`attention` to use."""
+    :func:`attention` to use. A row whose session is None only pads the step up to the numerics'
+    band of GEMM rows: it touches no cache and attends to nothing (its output is zeros)."""
 
-    def __init__(self, sessions: list[Any], masks: dict[int | None, list[torch.Tensor | None]],
+    def __init__(self, sessions: list[Any | None], masks: dict[int | None, list[torch.Tensor | None]],
                  positions: list[int]) -> None:
         self.sessions = sessions
         self.positions = positions
         self.masks = masks  # by sliding window: one boolean mask (or None) per row
         self.window: int | None = None  # set by the shard before each layer
-        self.current: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.current: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
                **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +53,14 @@ class DecodeRows:
             end = start + 1
             while end < len(self.sessions) and self.sessions[end] is self.sessions[start]:
                 end += 1
+            session = self.sessions[start]
+            if session is None:  # padding rows
+                self.current += [None] * (end - start)
+                start = end
+                continue
             # the rows' [n, heads, 1, dim] states as one session's [1, heads, n, dim] keys, in position order
-            keys, values = self.sessions[start].update(key_states[start:end].transpose(0, 2),
-                                                       value_states[start:end].transpose(0, 2), layer_idx)
+            keys, values = session.update(key_states[start:end].transpose(0, 2),
+                                          value_states[start:end].transpose(0, 2), layer_idx)
             for r in range(start, end):
                 seen = self.positions[r] + 1
                 self.current.append((keys[..., :seen, :], values[..., :seen, :]))
@@ -100,9 +106,13 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if rows is None:  # one session (a prefill chunk): its own cache already returned its whole history
         mask = _for_kernel(kernel, attention_mask, query.shape[2], key.shape[2], query.dtype, query.device)
         return kernel(module, query, key, value, mask, **kwargs)
-    outputs = []
+    outputs: list[torch.Tensor] = []
     masks = rows.masks[rows.window]
-    for b, (k, v) in enumerate(rows.current):
+    for b, current in enumerate(rows.current):
+        if current is None:  # a padding row (they come after the real ones)
+            outputs.append(torch.zeros_like(outputs[-1]))
+            continue
+        k, v = current
         mask = _for_kernel(kernel, masks[b], 1, k.shape[2], query.dtype, query.device)
         out, _weights = kernel(module, query[b : b + 1].contiguous(), k, v, mask, **kwargs)
         outputs.append(out)

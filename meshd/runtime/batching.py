@@ -13,14 +13,28 @@ wait for at most one prefill chunk (bounded by the chunk size), and a prefill ch
 one decode batch, so neither starves the other. Turns are taken in arrival order (a fair lock); a
 step already taken by an earlier turn only waits for its result.
 
-Before a decode batch starts, the turn may *hold* it briefly for sessions that are about to arrive.
-Each decoding session comes back once per route traversal, so the batcher knows when to expect it
-(its last step plus its period). A session expected within ``hold_factor`` times the time one
-single-session step takes here would otherwise arrive while the batch computes and then run alone
-after it; waiting for it costs the others less than that, and runs one forward instead of two. Held
-this way, sessions that start apart drift into one batch and then move through the route together.
-A session expected later is not waited for, so sessions spread evenly over a pipeline on separate
-machines stay spread.
+Before a decode batch starts, the turn may *hold* it for sessions that are about to arrive. Each
+decoding session comes back once per route traversal, so the batcher knows when to expect it (its
+last step plus its period). Whether waiting pays depends on where the route's hops run:
+
+- **On one shared machine** (the route's hops, or other work, keep its cores busy while this hop
+  waits: ``shared_machine`` says), a wait costs no compute: while this hop waits, the others use the
+  cores, and the sessions waited for are the ones they compute. What a shared machine loses is a
+  wave computed apart from another: each pays for its own step at every hop. So the batch is held
+  for every session due within ``hold_factor`` times its period, as long as the hop's own step-cost
+  table (:mod:`meshd.runtime.step_costs`) says rows computed together cost clearly less than apart
+  (``cost(R + E) < 0.9 (cost(R) + cost(E))`` for ``R`` rows queued and ``E`` expected). Sessions
+  that start apart are drawn into one wave, which then moves through the route together. Where rows
+  cost what they add, nobody is waited for.
+- **On machines of their own**, hops are idle between waves anyway, and several waves keep all of
+  them busy: the batcher holds only for sessions due within ``hold_factor`` one-row steps (those
+  would arrive while the batch computes and then run alone after it), and waves spread over a
+  pipeline stay spread.
+
+A batch is capped at ``max_batch`` sessions and, given ``latency_bound_s``, at the rows whose step
+the table expects within it. The decode stall a long prompt may cause is one prefill chunk (the
+shard's chunk limit, 512 tokens by default): the summary's ``decode_stall_bound_ms`` is the longest
+chunk computed so far, and the table keeps what chunks cost by size.
 """
 
 from __future__ import annotations
@@ -31,7 +45,10 @@ from dataclasses import dataclass, field
 import trio
 
 from meshd.runtime.shard import StepResult
+from meshd.runtime.step_costs import StepCosts
 from meshd.wire.bundle import HiddenStateBundle, Phase
+
+PAYS = 0.9  # on a shared machine, rows are waited for when together they cost less than this share of apart
 
 # Each returns its outcomes and how long the compute itself took, in seconds (measured on the thread
 # that ran it), so that the batcher can tell a step's waiting from its computing.
@@ -50,17 +67,23 @@ class BatchStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)
     held_batches: int = 0  # decode batches held for sessions about to arrive
     held_s: float = 0.0
+    longest_prefill_s: float = 0.0  # a decode step waits behind at most one prefill chunk: the bound
+    costs: StepCosts = field(default_factory=StepCosts)  # this hop's step costs by size
+    shared_machine: bool | None = None  # what the last hold decision took the machine to be
 
     def summary(self) -> dict:
         mean = self.decode_steps / self.decode_batches if self.decode_batches else None
         return {"decode_batches": self.decode_batches, "decode_steps": self.decode_steps,
                 "prefill_chunks": self.prefill_chunks, "largest_batch": self.largest_batch,
                 "mean_batch": mean, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "held_batches": self.held_batches, "held_s": round(self.held_s, 3)}
+                "held_batches": self.held_batches, "held_s": round(self.held_s, 3),
+                "decode_stall_bound_ms": round(self.longest_prefill_s * 1000, 3),
+                "step_costs": self.costs.summary(), "shared_machine": self.shared_machine}
 
     def reset(self) -> None:
+        """Zero the counts; the cost table is knowledge, not a count, and stays."""
         self.decode_batches = self.decode_steps = self.prefill_chunks = self.largest_batch = self.held_batches = 0
-        self.held_s = 0.0
+        self.held_s = self.longest_prefill_s = 0.0
         self.batch_sizes.clear()
 
 
@@ -97,6 +120,11 @@ class _Step:
         b = self.bundle
         return b.phase == Phase.DECODE and b.start_position > 0
 
+    @property
+    def rows(self) -> int:
+        """Rows this step adds to a decode batch: its token and each drafted one."""
+        return self.bundle.token_count
+
     def finish(self, outcome: StepResult | BaseException, compute_s: float = 0.0) -> None:
         if isinstance(outcome, BaseException):
             self.error = outcome
@@ -110,21 +138,29 @@ class _Step:
 
 class StepBatcher:
     def __init__(self, run_batch: RunBatch, run_one: RunOne, *, max_batch: int = 16,
-                 hold_factor: float = 1.0) -> None:
+                 hold_factor: float = 1.0, latency_bound_s: float | None = None,
+                 shared_machine: Callable[[], bool] | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if hold_factor < 0:
             raise ValueError("hold_factor cannot be negative")
+        if latency_bound_s is not None and latency_bound_s <= 0:
+            raise ValueError("the latency bound must be positive")
         self._run_batch = run_batch
         self._run_one = run_one
         self.max_batch = max_batch
         self.hold_factor = hold_factor
+        self.latency_bound_s = latency_bound_s
+        self._shared_machine = shared_machine if shared_machine is not None else (lambda: True)
         self._queue: list[_Step] = []
         self._turn = trio.Lock()
         self._arrived = trio.Event()  # set (and replaced) whenever a step is queued
         self._rhythm: dict[tuple[str, int], _Rhythm] = {}
-        self._solo_s: float | None = None  # smoothed compute time of a one-session decode step
         self.stats = BatchStats()
+
+    @property
+    def costs(self) -> StepCosts:
+        return self.stats.costs
 
     @property
     def waiting(self) -> int:
@@ -160,22 +196,40 @@ class StepBatcher:
 
     def _expected(self, now: float) -> tuple[set[tuple[str, int]], float] | None:
         """Sessions worth holding the next decode batch for, and until when; None when none are."""
-        if self.hold_factor <= 0 or self._solo_s is None:
+        solo = self.costs.decode_s(1)
+        if self.hold_factor <= 0 or solo is None:
             return None
         queued = [s for s in self._queue if s.batchable]
-        if not queued or len({s.key for s in queued}) >= self.max_batch:
-            return None
         present = {s.key for s in queued}
-        limit = self.hold_factor * self._solo_s
-        wanted: set[tuple[str, int]] = set()
-        until = now
+        if not queued or len(present) >= self.max_batch:
+            return None
+        due: list[tuple[float, tuple[str, int], float]] = []
         for key, rhythm in self._rhythm.items():
             if key in present or rhythm.period is None:
                 continue
             eta = rhythm.last + rhythm.period - now
-            if -0.5 * rhythm.period < eta <= limit:  # long overdue: finished, or gone elsewhere
-                wanted.add(key)
-                until = max(until, now + max(0.0, eta) + 0.1 * limit)
+            if -0.5 * rhythm.period < eta:  # long overdue: finished, or gone elsewhere
+                due.append((max(0.0, eta), key, rhythm.period))
+        if not due:
+            return None
+        due.sort()
+        shared = self._shared_machine()
+        self.stats.shared_machine = shared
+        rows = sum(s.rows for s in queued)
+        room = self.max_batch - len(present)
+        wanted: set[tuple[str, int]] = set()
+        until = now
+        for count, (eta, key, period) in enumerate(due[:room], start=1):
+            if shared:
+                apart = (self.costs.decode_s(rows) or solo) + (self.costs.decode_s(count) or solo)
+                together = self.costs.decode_s(rows + count) or solo
+                limit = self.hold_factor * period if together < PAYS * apart else 0.0
+            else:
+                limit = self.hold_factor * solo
+            if limit <= 0 or eta > limit:
+                break
+            wanted.add(key)
+            until = now + eta + 0.1 * solo
         return (wanted, until) if wanted else None
 
     async def _hold(self) -> None:
@@ -206,11 +260,16 @@ class StepBatcher:
         decodes: list[_Step] = []
         prefill: _Step | None = None
         sessions: set[tuple[str, int]] = set()
+        most = self.max_batch
+        rows = 0
+        if self.latency_bound_s is not None:
+            most = self.costs.rows_within(self.latency_bound_s, 4 * self.max_batch)
         for step in self._queue:
             if step.key in sessions:
                 continue  # a session's steps run in order, one per cycle
-            if step.batchable and len(decodes) < self.max_batch:
+            if step.batchable and len(decodes) < self.max_batch and (not decodes or rows + step.rows <= most):
                 decodes.append(step)
+                rows += step.rows
             elif not step.batchable and prefill is None:
                 prefill = step
             else:
@@ -241,7 +300,10 @@ class StepBatcher:
             for step in steps:
                 step.finish(exc)
             raise
-        if len(steps) == 1 and steps[0].batchable and compute_s > 0:
-            self._solo_s = compute_s if self._solo_s is None else 0.8 * self._solo_s + 0.2 * compute_s
+        if steps[0].batchable:
+            self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
+        else:
+            self.costs.observe_prefill(steps[0].rows, compute_s)
+            self.stats.longest_prefill_s = max(self.stats.longest_prefill_s, compute_s)
         for step, outcome in zip(steps, outcomes, strict=True):
             step.finish(outcome, compute_s)

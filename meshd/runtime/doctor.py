@@ -133,7 +133,7 @@ def run_doctor(model_path: Path, layers: tuple[int, int] | None, dtype: str, dev
         check_shard(shard, report.checks)
         report.model = {
             "model_id": info.model_id, "architecture": info.architecture, "n_layers": info.n_layers,
-            "backend": info.numerics.backend, "device": info.numerics.device, "dtype": info.numerics.dtype_name,
+            "backend": info.numerics.backend, "device": info.numerics.device, "dtype": info.numerics.dtype_setting,
             "numerics": info.numerics.name,
             "measured_ms": choice.measured_ms, "compat_key": info.compat_key,
             "parameter_bytes": shard.parameter_bytes(),

@@ -28,6 +28,8 @@ import trio
 
 from meshd.runtime.backends import open_shard
 from meshd.runtime.batching import StepBatcher
+from meshd.runtime.cpu_turn import CpuTurn
+from meshd.runtime.machine_share import MachineShare
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import Numerics
 from meshd.runtime.shard import Shard, StepResult
@@ -46,6 +48,27 @@ def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     return result, time.perf_counter() - started
 
 
+_compute_threads: int | None = None  # the torch threads of this process's compute threads, once set
+
+
+def set_compute_threads(count: int) -> None:
+    """Give the compute threads this process starts ``count`` torch threads each, and the calling
+    thread (and every thread started after this) one.
+
+    A thread that runs a parallel torch op gets an OpenMP team of its own. When a daemon's event loop
+    (deserializing a prefill chunk, say) grows one next to the compute thread's, the process holds
+    more OpenMP threads than the machine has CPUs, and libgomp then makes every idle thread sleep
+    almost at once instead of spinning: each of a decode step's hundreds of parallel regions starts by
+    waking its team. Measured on the development machine: a compute thread's 48 one-row GEMMs take
+    24.5 ms, and 30 ms once the main thread has run one parallel op; with the main thread on one
+    thread, 24.5 ms still."""
+    global _compute_threads
+    import torch
+
+    _compute_threads = count
+    torch.set_num_threads(1)
+
+
 class ComputeThread:
     """One thread that runs every piece of a shard's compute, awaited from Trio.
 
@@ -54,9 +77,17 @@ class ComputeThread:
     """
 
     def __init__(self, torch_threads: int | None = None, name: str = "meshd-compute") -> None:
+        threads = torch_threads or _compute_threads
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                                            initializer=self._init_thread, initargs=(torch_threads,))
+                                            initializer=self._init_thread, initargs=(threads,))
         self.thread_id: int | None = None
+        if _compute_threads is not None:
+            # the thread's own count is set now; setting it also made it the count every thread
+            # started later gets, so give that back to one (see set_compute_threads)
+            self._executor.submit(lambda: None).result()
+            import torch
+
+            torch.set_num_threads(1)
 
     def _init_thread(self, torch_threads: int | None) -> None:
         self.thread_id = threading.get_ident()
@@ -64,6 +95,9 @@ class ComputeThread:
             import torch
 
             torch.set_num_threads(torch_threads)
+            # torch gives a thread its count at the thread's first parallel op, from the process-wide
+            # count of that moment: take it now, while that count is this one
+            torch.get_num_threads()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         token = trio.lowlevel.current_trio_token()
@@ -106,16 +140,19 @@ class ShardHost:
     def __init__(self, model_dir: Path, *, numerics: Numerics | None = None, manifest: Manifest | None = None,
                  max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
                  session_ttl_s: float = 600.0, max_batch: int = 16, torch_threads: int | None = None,
-                 keep_logits: bool = False, batch_hold: float = 1.0,
-                 compute: ComputeThread | InlineCompute | None = None) -> None:
+                 keep_logits: bool = False, batch_hold: float = 1.0, batch_latency_ms: float = 0.0,
+                 compute: ComputeThread | InlineCompute | None = None, cpu_turn: CpuTurn | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.shard: Shard | None = None
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
-        self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold)
+        self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold,
+                                   latency_bound_s=batch_latency_ms / 1000 if batch_latency_ms > 0 else None,
+                                   shared_machine=MachineShare())
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                                                    session_ttl_s=session_ttl_s, keep_logits=keep_logits,
                                                    numerics=numerics, manifest=manifest)
         self.loaded = trio.Event()
+        self.cpu_turn = cpu_turn  # computes take turns with the other peers on this machine's CPUs
 
     @property
     def range(self) -> tuple[int, int] | None:
@@ -142,13 +179,21 @@ class ShardHost:
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the compute thread (for anything else that touches the shard's tensors)."""
-        return await self.compute.run(fn, *args)
+        return (await self.compute.run(self._in_turn, fn, *args))[0]
 
     async def _run_one(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
-        return await self.compute.run(_timed, self.require_shard().forward, bundle)
+        return await self.compute.run(self._in_turn, self.require_shard().forward, bundle)
 
     async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
-        return await self.compute.run(_timed, self.require_shard().forward_batch, bundles)
+        return await self.compute.run(self._in_turn, self.require_shard().forward_batch, bundles)
+
+    def _in_turn(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """``fn(*args)`` in this machine's CPU turn (when taking turns), and the seconds it computed
+        (the wait for the turn is not compute)."""
+        if self.cpu_turn is None:
+            return _timed(fn, *args)
+        with self.cpu_turn.held():
+            return _timed(fn, *args)
 
     def release(self, session_id: str, epoch: int) -> bool:
         self.batcher.forget(session_id, epoch)
@@ -170,6 +215,8 @@ class ShardHost:
 
     def close(self) -> None:
         self.compute.close()
+        if self.cpu_turn is not None:
+            self.cpu_turn.close()
 
     def require_shard(self) -> Shard:
         if self.shard is None:

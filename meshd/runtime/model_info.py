@@ -20,9 +20,11 @@ from meshd.errors import ModelFormatError
 from meshd.runtime.adapters import adapter_for
 from meshd.runtime.backends import resolve_backend
 from meshd.runtime.devices import resolve_device
+from meshd.runtime.int8 import INVARIANT_ROWS, int8_weight_bytes, is_int8_weight
+from meshd.runtime.int8 import available as int8_available
 from meshd.runtime.loader import Checkpoint, is_gguf_model, load_config, open_checkpoint, weight_files
 from meshd.runtime.manifest import Manifest, weights_manifest
-from meshd.runtime.numerics import Choice, Numerics, calibrate, default_numerics, numerics_from_name
+from meshd.runtime.numerics import INT8, Choice, Numerics, calibrate, default_numerics, numerics_from_name
 from meshd.wire.bundle import SCHEMA_VERSION
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -70,11 +72,15 @@ def read_small_files(model_dir: Path) -> dict[str, bytes]:
     return {n: (model_dir / n).read_bytes() for n in (*CONFIG_FILES, *TOKENIZER_FILES) if (model_dir / n).is_file()}
 
 
-def _bytes_of(index: Checkpoint, names: list[str], itemsize: int | None) -> int:
-    """Bytes of the named tensors at ``itemsize`` bytes an element, or as stored when None."""
+def _bytes_of(index: Checkpoint, names: list[str], itemsize: int | None, int8: bool = False) -> int:
+    """Bytes of the named tensors at ``itemsize`` bytes an element (linears' weights as int8 ones with
+    ``int8``), or as stored when None."""
     total = 0
     for name in names:
         entry = index.entry(name)
+        if int8 and is_int8_weight(name, entry["shape"]):  # type: ignore[arg-type]
+            total += int8_weight_bytes(entry["shape"])  # type: ignore[arg-type]
+            continue
         if itemsize is None:
             if "nbytes" in entry:
                 total += int(entry["nbytes"])  # type: ignore[call-overload]
@@ -96,14 +102,15 @@ class ModelSizes:
     edge_bytes: int
 
 
-def model_sizes(model_dir: Path, dtype: torch.dtype | None = None) -> ModelSizes:
-    """Layer and embedding bytes at ``dtype``, or as stored (quantized GGUF tensors at their packed
-    size) when None, from the headers alone."""
+def model_sizes(model_dir: Path, dtype: torch.dtype | None = None, int8: bool = False) -> ModelSizes:
+    """Layer and embedding bytes at ``dtype`` (with ``int8``, the layers' linears at int8), or as stored
+    (quantized GGUF tensors at their packed size) when None, from the headers alone. The edge is the
+    embedding, a float lookup either way (an int8 LM head is smaller)."""
     config = load_config(model_dir)
     adapter = adapter_for(config)
     index = open_checkpoint(model_dir)
     itemsize = None if dtype is None else torch.empty((), dtype=dtype).element_size()
-    layer_bytes = _bytes_of(index, index.names_with_prefix(adapter.layer_tensor_prefix(0)), itemsize)
+    layer_bytes = _bytes_of(index, index.names_with_prefix(adapter.layer_tensor_prefix(0)), itemsize, int8)
     edge_bytes = _bytes_of(index, [adapter.embed_tensor], itemsize) if adapter.embed_tensor in index else 0
     return ModelSizes(config.num_hidden_layers, layer_bytes, edge_bytes)
 
@@ -128,12 +135,16 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
 
     model_dir = Path(model_dir)
     weights = gguf_weights_name(model_dir)
+    int8 = dtype == INT8
     if resolve_backend(backend, model_dir) == "llama.cpp":
         if dtype not in ("auto", "float32"):
             raise ModelFormatError(f"the llama.cpp backend computes in the GGUF file's own types; --dtype {dtype} "
                                    "applies to the torch backend")
         return Choice(Numerics(torch.float32, resolve_device(device), backend="llama.cpp", weights=weights), {})
     held = resolve_dtype(dtype, model_dir)
+    if int8:
+        _check_int8(device)
+        device, weights = "cpu", "+".join(w for w in (weights, INT8) if w)
     base = replace(default_numerics(held, resolve_device(device)), weights=weights)
     if pinned:
         try:
@@ -148,13 +159,27 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
     adapter = adapter_for(config)
     index = open_checkpoint(model_dir)
     shapes: list[tuple[int, int]] = []
+    experts: list[tuple[int, int]] = []
     for name in index.names_with_prefix(adapter.layer_tensor_prefix(0)):
         shape = index.entry(name)["shape"]
-        if name.endswith(".weight") and len(shape) == 2 and ".experts." not in name:  # type: ignore[arg-type]
-            shapes.append((int(shape[0]), int(shape[1])))  # type: ignore[index]
+        if name.endswith(".weight") and len(shape) == 2:  # type: ignore[arg-type]
+            (experts if ".experts." in name else shapes).append((int(shape[0]), int(shape[1])))  # type: ignore[index]
+    if int8 and not experts:  # no float GEMM is left for the measurements to choose for
+        return Choice(replace(base, decode_max_rows=INVARIANT_ROWS), {})
     if not shapes:
         return Choice(base, {})
-    return calibrate(base, shapes, prefill_rows)
+    # a decode step's GEMMs are also the experts' and the LM head's: the band must hold for them too
+    head = (int(config.vocab_size), int(config.hidden_size))
+    return calibrate(base, shapes, prefill_rows, band_shapes=[*sorted(set(experts)), head])
+
+
+def _check_int8(device: str) -> None:
+    """``--dtype int8`` runs fbgemm's int8 kernels: an x86 CPU."""
+    if device not in ("auto", "cpu"):
+        raise ModelFormatError(f"--dtype int8 computes on the CPU (fbgemm's int8 kernels), not on {device}")
+    if not int8_available():
+        raise ModelFormatError("--dtype int8 needs fbgemm's int8 kernels, which this torch build lacks "
+                               "(they come with x86 CPU builds)")
 
 
 def describe_model(model_dir: Path, model_id: str | None = None, *, numerics: Numerics | None = None,
@@ -171,7 +196,7 @@ def describe_model(model_dir: Path, model_id: str | None = None, *, numerics: Nu
                                    weights=gguf_weights_name(model_dir))
     manifest = weights_manifest(weight_files(model_dir), cache_dir, say)
     tok_digest = tokenizer_digest_of(read_small_files(model_dir))
-    sizes = model_sizes(model_dir, None if numerics.backend == "llama.cpp" else numerics.dtype)
+    sizes = model_sizes(model_dir, None if numerics.backend == "llama.cpp" else numerics.dtype, numerics.int8)
     return ModelInfo(
         model_id=model_id or model_dir.name,
         model_dir=model_dir,
@@ -201,8 +226,12 @@ def describe_fetched(model_dir: Path, model_id: str, manifest: Manifest, numeric
     def bytes_of(names: list[str]) -> int:
         total = 0
         for name in names:
+            shape = manifest.tensors[name].shape
+            if numerics.int8 and is_int8_weight(name, shape) and name.startswith(prefix):
+                total += int8_weight_bytes(shape)
+                continue
             n = 1
-            for d in manifest.tensors[name].shape:
+            for d in shape:
                 n *= int(d)
             total += n * itemsize
         return total

@@ -6,8 +6,10 @@ Two rules shape this module.
    another in floating point: the kernel picks its blocking (and for one row a different kernel
    altogether) by the number of rows, so the same row computed alone and inside a batch can differ
    in its last bits, enough to flip a greedy choice now and then. So decode steps run their linears
-   in GEMMs of exactly ``decode_rows`` rows (padding the last tile); a session's row is then computed
-   by the same kernel on the same shape whether it is alone or one of many. Attention is computed per
+   in GEMMs of a *band* of row counts, ``decode_rows`` to ``decode_max_rows``, inside which the
+   kernel computes every row the same way whatever the count (a step of fewer rows is padded, one of
+   more is cut into tiles inside the band); a session's row is then computed by the same kernel
+   whether it is alone or one of many. Attention is computed per
    session (:mod:`meshd.runtime.attention`), and elementwise kernels need rows of whole vector blocks
    (:func:`meshd.runtime.shard.rows_align`). Prefill chunks run alone, as themselves. The numerics
    thus follow the kind of step, prefill or decode, and never the batch a step happens to share.
@@ -25,6 +27,13 @@ choice to matter keep the defaults. Measured on the 2-core AVX2 development mach
 8 rows take 28 ms as one fp32 GEMM and 62 ms row by row; a 512-row prefill chunk takes 286 ms in
 fp32, 1495 ms in bf16 and 308 ms upcast. So there a bf16 shard prefills upcast and decodes natively,
 and decode runs one row at a time (a tile of 8 would cost a lone session 2.3 times a single row).
+The band is measured too (:func:`row_band`): on that machine a GEMM of one row takes a path of its
+own, every count from 2 to 15 rows computes each row bit for bit alike, and 16 or more another way
+again; all 16 bench layers' linears and the LM head take 33.5 ms for one row, 36 ms for two, 37.5 ms
+for three, 70 ms for four and 86 ms for eight. So there decode runs in the band 2 to 15: a lone
+session pays 7 % for its padding row, and eight sessions share one step that costs 2.6 times one
+row instead of eight times.
+
 The choice is part of the shard's numerics class, which the compat key covers: hops of one route
 compute the same way, so a split run equals one process bit for bit.
 """
@@ -32,7 +41,7 @@ compute the same way, so a split run equals one process bit for bit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,7 +52,13 @@ from torch.overrides import TorchFunctionMode
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+INT8 = "int8"  # ``--dtype int8``: float32 held, linears int8 (meshd.runtime.int8); a part of ``Numerics.weights``
 TILE_ROWS = 8        # rows per decode GEMM when decode steps are batched by tiles
+BAND_PROBE_ROWS = 32  # row counts tried when measuring the band of row-invariant GEMMs
+# A band whose bottom is 2 rows is refused only when its padded lone row is clearly slower than one row
+# (measured 1.07 times on the development machine): peers starting together on one machine time it
+# under each other's load, and a tight limit would split them into classes that cannot share a route.
+BAND_LIMIT = 1.5
 MARGIN = 1.25        # an alternative must be this much faster to be chosen (stable choices across peers)
 MIN_MEASURED_PARAMETERS = 1_000_000  # smaller layers: the choice cannot matter, and timing them is noise
 
@@ -56,13 +71,29 @@ class Numerics:
     device: str = "cpu"
     prefill_fp32: bool = False  # prefill linears as fp32 GEMMs of upcast weights (bf16/fp16 held)
     decode_fp32: bool = False   # decode linears the same way
-    decode_rows: int = 1        # decode linears run in GEMMs of exactly this many rows
+    decode_rows: int = 1        # decode linears run in GEMMs of at least this many rows
+    decode_max_rows: int = 0    # ... and at most this many (0: exactly decode_rows)
     backend: str = "torch"      # or "llama.cpp": ggml computes the layers (the fields above do not apply)
-    weights: str = ""           # the stored form when it is not the held dtype: "gguf-q8_0" ...
+    weights: str = ""           # the stored form when it is not the held dtype: "gguf-q8_0", "int8", "gguf-q8_0+int8"
+
+    @property
+    def int8(self) -> bool:
+        """Whether the linears compute in int8 (:mod:`meshd.runtime.int8`) over float32 activations."""
+        return INT8 in self.weights.split("+")
+
+    @property
+    def dtype_setting(self) -> str:
+        """The ``--dtype`` that computes so: the held dtype's name, or int8."""
+        return INT8 if self.int8 else self.dtype_name
 
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    @property
+    def decode_band(self) -> tuple[int, int]:
+        """The row counts a decode GEMM may have: each row computes the same at any of them."""
+        return self.decode_rows, max(self.decode_rows, self.decode_max_rows)
 
     @property
     def device_kind(self) -> str:
@@ -75,7 +106,9 @@ class Numerics:
             return f"llama.cpp/{self.device_kind}/{self.weights or 'gguf'}"
         prefill = "fp32" if self.prefill_fp32 else "native"
         decode = "fp32" if self.decode_fp32 else "native"
-        name = f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{self.decode_rows}"
+        low, high = self.decode_band
+        rows = f"{low}" if high == low else f"{low}-{high}"
+        name = f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{rows}"
         return f"{name}/{self.weights}" if self.weights else name
 
     def prefill(self) -> AbstractContextManager[object]:
@@ -83,14 +116,15 @@ class Numerics:
         return _Linears(rows=None, upcast=True) if upcast else nullcontext()
 
     def decode(self, rows: int | None = None) -> AbstractContextManager[object]:
-        """The mode of a decode step of ``rows`` rows (None: not known). A step of exactly
-        ``decode_rows`` rows in the held dtype is left alone: every linear is already one tile, and a
-        torch function mode costs every op of the step some Python (4 to 5 ms of a 35 ms decode step of
-        the whole bench model on the development machine)."""
+        """The mode of a decode step of ``rows`` rows (None: not known). A step whose row count is
+        inside the band, in the held dtype, is left alone: every linear is already one GEMM the band
+        allows, and a torch function mode costs every op of the step some Python (4 to 5 ms of a 35 ms
+        decode step of the whole bench model on the development machine)."""
         upcast = self.decode_fp32 and self.dtype != torch.float32
-        if rows == self.decode_rows and not upcast:
+        low, high = self.decode_band
+        if rows is not None and low <= rows <= high and not upcast:
             return nullcontext()
-        return _Linears(rows=self.decode_rows, upcast=upcast)
+        return _Linears(rows=self.decode_band, upcast=upcast)
 
 
 def numerics_from_name(name: str, device: str) -> Numerics:
@@ -108,21 +142,40 @@ def numerics_from_name(name: str, device: str) -> Numerics:
         if not prefill.startswith("prefill-") or not decode.startswith("decode-") or "-rows" not in decode:
             raise ValueError("it is not a torch numerics class")
         decode_way, rows = decode.removeprefix("decode-").split("-rows")
+        low, _, high = rows.partition("-")
         ways = {"fp32": True, "native": False}
         prefill_way = prefill.removeprefix("prefill-")
         numerics = Numerics(dtype=DTYPES[dtype_name], device=device, prefill_fp32=ways[prefill_way],
-                            decode_fp32=ways[decode_way], decode_rows=int(rows), weights=weights)
+                            decode_fp32=ways[decode_way], decode_rows=int(low),
+                            decode_max_rows=int(high) if high else 0, weights=weights)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"numerics class {name!r} cannot run here: {exc}") from None
     if numerics.name != name:
         raise ValueError(f"numerics class {name!r} is not one this version of meshd writes")
+    from meshd.runtime.int8 import available as int8_available
+
+    if numerics.int8 and (numerics.dtype != torch.float32 or not int8_available()):
+        raise ValueError(f"numerics class {name!r} cannot run here: int8 compute needs float32 activations and "
+                         "fbgemm (an x86 CPU build of torch)")
     return numerics
 
 
-class _Linears(TorchFunctionMode):
-    """Runs every ``F.linear`` of a step as the numerics say: in fixed row tiles, in fp32, or both."""
+def band_tiles(n: int, band: tuple[int, int]) -> list[int]:
+    """Sizes of the GEMMs that compute ``n`` rows inside ``band``: as few as the band's top allows,
+    near-equal, each padded up to the band's bottom when ``n`` is smaller than it."""
+    low, high = band
+    if n <= low:
+        return [low]
+    count = -(-n // high)
+    base, extra = divmod(n, count)
+    sizes = [base + 1] * extra + [base] * (count - extra)
+    return [max(low, size) for size in sizes]
 
-    def __init__(self, rows: int | None, upcast: bool) -> None:
+
+class _Linears(TorchFunctionMode):
+    """Runs every ``F.linear`` of a step as the numerics say: in row tiles of the band, in fp32, or both."""
+
+    def __init__(self, rows: tuple[int, int] | None, upcast: bool) -> None:
         super().__init__()
         self.rows = rows
         self.upcast = upcast
@@ -138,14 +191,16 @@ class _Linears(TorchFunctionMode):
         if self.rows is None:
             return self._linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        n, rows = flat.shape[0], self.rows
+        n = flat.shape[0]
         tiles = []
-        for start in range(0, n, rows):
-            tile = flat[start : start + rows]
-            if tile.shape[0] < rows:
-                tile = torch.cat([tile, tile.new_zeros(rows - tile.shape[0], tile.shape[1])])
-            tiles.append(self._linear(tile, weight, bias))
-        out = torch.cat(tiles)[:n]
+        start = 0
+        for size in band_tiles(n, self.rows):
+            tile = flat[start : start + size]
+            if tile.shape[0] < size:
+                tile = torch.cat([tile, tile.new_zeros(size - tile.shape[0], tile.shape[1])])
+            tiles.append(self._linear(tile, weight, bias)[: n - start])
+            start += size
+        out = torch.cat(tiles)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -172,16 +227,22 @@ class Choice:
     measured_ms: dict[str, float]  # what each candidate took, by candidate name
 
 
-def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer) -> Choice:
+BandProbe = Callable[[Numerics], tuple[int, int]]
+"""``probe(numerics)`` -> the band of decode GEMM row counts that compute each row alike that way."""
+
+
+def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer,
+           probe_band: BandProbe | None = None) -> Choice:
     """Measure the alternatives to ``base`` and keep each that is at least ``MARGIN`` times faster.
 
-    Decode is measured as one session alone (the case every reply meets); a tiled decode is chosen
-    only when a lone session pays nearly nothing for it, since batches then come for free.
+    Decode is measured as one session alone (the case every reply meets); a band of several rows is
+    chosen unless it makes a lone session clearly slower (:data:`BAND_LIMIT`), and failing a band a
+    tile only when a lone session pays nearly nothing for it, since batches then come almost for free.
     """
     measured: dict[str, float] = {}
 
     def timed(numerics: Numerics, timer: StepTimer, label: str) -> float:
-        seconds = min(timer(numerics) for _ in range(2))
+        seconds = min(timer(numerics) for _ in range(3))
         measured[f"{label} {numerics.name}"] = round(seconds * 1000, 3)
         return seconds
 
@@ -200,15 +261,47 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer) -> C
     if chosen.device == "cpu":
         if alone is None:
             alone = timed(chosen, time_decode, "decode")
-        tiled = replace(chosen, decode_rows=TILE_ROWS)
-        if timed(tiled, time_decode, "decode") <= alone * 1.1:
-            chosen = tiled
+        low, high = probe_band(chosen) if probe_band is not None else (1, 1)
+        banded = replace(chosen, decode_rows=low, decode_max_rows=high if high > low else 0)
+        if high > 1 and (low == 1 or timed(banded, time_decode, "decode") < alone * BAND_LIMIT):
+            chosen = banded
+        else:
+            tiled = replace(chosen, decode_rows=TILE_ROWS)
+            if timed(tiled, time_decode, "decode") <= alone * 1.1:
+                chosen = tiled
     return Choice(chosen, measured)
 
 
-def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int) -> Choice:
+def row_band(numerics: Numerics, weights: list[torch.Tensor], probe_rows: int = BAND_PROBE_ROWS) -> tuple[int, int]:
+    """The widest band of GEMM row counts, starting at 1 or 2, at which every row of each of
+    ``weights`` computes bit for bit as in GEMMs of the band's bottom count, decode linears computed
+    the way ``numerics`` says. Which kernel a GEMM takes depends on its shape, not its values, so
+    random rows show it. ``(1, 1)`` when no band of several rows exists."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    upcast = numerics.decode_fp32 and numerics.dtype != torch.float32
+    way = _Linears(rows=None, upcast=upcast)
+    with torch.inference_mode():
+        for low in (1, 2):
+            high = probe_rows
+            for w in weights:
+                x = torch.randn(probe_rows, w.shape[1], generator=gen).to(dtype=w.dtype, device=w.device)
+                reference = torch.cat([way._linear(x[s : s + low], w, None) for s in range(0, probe_rows, low)])
+                for rows in range(low + 1, high + 1):
+                    if not torch.equal(way._linear(x[:rows], w, None), reference[:rows]):
+                        high = rows - 1
+                        break
+                if high <= low:
+                    break
+            if high > low:
+                return low, high
+    return 1, 1
+
+
+def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int,
+              band_shapes: Sequence[tuple[int, int]] = ()) -> Choice:
     """:func:`choose` timed on linears of ``shapes`` (one decoder layer's ``(out, in)`` weights) with
-    random weights in the held dtype: a prefill chunk of ``prefill_rows`` rows and one decode row."""
+    random weights in the held dtype: a prefill chunk of ``prefill_rows`` rows and one decode row; the
+    band of decode rows probed on those and on ``band_shapes`` (other linears a decode step runs)."""
     if sum(out * inp for out, inp in shapes) < MIN_MEASURED_PARAMETERS:
         return Choice(base, {})
     device = torch.device(base.device)
@@ -231,4 +324,6 @@ def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int) 
                 torch.cuda.synchronize(device)
             return time.perf_counter() - started
 
-    return choose(base, lambda n: run(n, prefill_rows, decode=False), lambda n: run(n, 1, decode=True))
+    return choose(base, lambda n: run(n, prefill_rows, decode=False), lambda n: run(n, 1, decode=True),
+                  lambda n: row_band(n, weights + [(torch.randn(shape, generator=gen) * 0.02).to(
+                      dtype=base.dtype, device=device) for shape in band_shapes if shape not in shapes]))

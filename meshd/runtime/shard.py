@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,10 +31,11 @@ from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMisma
 from meshd.progress import progress
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
 from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, decode_rows
+from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
 from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
 from meshd.runtime.manifest import Manifest
-from meshd.runtime.numerics import DTYPES, Numerics, default_numerics
+from meshd.runtime.numerics import DTYPES, INT8, Numerics, default_numerics
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 
@@ -84,13 +85,16 @@ class StepResult:
 
 
 def resolve_dtype(requested: str | torch.dtype, model_dir: Path) -> torch.dtype:
-    """``auto`` -> the checkpoint's own dtype (never larger than it, never lossier), else the named one."""
+    """The held dtype: ``auto`` -> the checkpoint's own (never larger than it, never lossier), ``int8``
+    -> float32 (the activations around int8 linears), else the named one."""
     if isinstance(requested, torch.dtype):
         return requested
     if requested == "auto":
         return checkpoint_dtype(model_dir)
+    if requested == INT8:
+        return torch.float32
     if requested not in DTYPES:
-        raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+        raise ValueError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}, {INT8}")
     return DTYPES[requested]
 
 
@@ -142,13 +146,18 @@ class Shard:
         if not 0 <= start < end <= n_layers:
             raise RangeMismatch(f"layer range [{start}, {end}) is not inside [0, {n_layers})")
         held = numerics.dtype if numerics is not None else resolve_dtype(dtype, self.model_dir)
-        self.numerics = numerics or default_numerics(held, device)
+        self.numerics = numerics or replace(default_numerics(held, device), weights=INT8 if dtype == INT8 else "")
+        if self.numerics.int8 and (self.numerics.device != "cpu" or held != torch.float32):
+            raise ModelFormatError(f"int8 compute runs on the CPU over float32 activations, not on "
+                                   f"{self.numerics.device} in {held}")
         self.device = torch.device(self.numerics.device)
         self.spec = ShardSpec(
             model_type=self.config.model_type, n_layers=n_layers, start=start, end=end,
             hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size, dtype=held,
         )
         self.batch_invariant = rows_align(self.config)
+        # experts see only the rows routed to them, so their GEMMs' row counts are not the step's
+        self._linears_see_the_step = not any(getattr(self.config, name, None) for name in EXPERT_COUNTS)
         self.max_chunk_tokens = max_chunk_tokens
         self.keep_logits = keep_logits
         self.kv = KVManager(budget_bytes=kv_budget_bytes, ttl_s=session_ttl_s, clock=clock)
@@ -161,7 +170,7 @@ class Shard:
         dtype, device = spec.dtype, self.device
         self.embed: nn.Module | None = None
         self.norm: nn.Module | None = None
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None
         if spec.is_head:
             weight = index.load([a.embed_tensor], dtype, device)[a.embed_tensor]
             self.embed = a.embedding(cfg, weight).to(device)
@@ -181,7 +190,8 @@ class Shard:
                     layer.load_state_dict(state, strict=True, assign=True)
                 except RuntimeError as exc:
                     raise ModelFormatError(f"layer {i} does not match the config: {exc}") from None
-                layers.append(layer.eval())
+                # int8: each layer as soon as it is read, so that no more than one is ever held in fp32
+                layers.append(quantize_linears(layer.eval()) if self.numerics.int8 else layer.eval())
                 bar.advance()
         self.layers = nn.ModuleList(layers)
         self.windows = [a.sliding_window_of(cfg, i) for i in range(spec.start, spec.end)]
@@ -199,11 +209,15 @@ class Shard:
                 head.weight = self.embed.weight
             else:
                 head.weight = nn.Parameter(index.load([head_name], dtype, device)[head_name], requires_grad=False)
-            self.lm_head = head
+            # int8: the embedding stays a float lookup (a tied head gets an int8 copy)
+            self.lm_head = quantize_linears(head) if self.numerics.int8 else head
+        if self.numerics.int8:
+            release_freed_memory()
 
     def parameter_bytes(self) -> int:
-        """Bytes of every weight this shard holds (embedding, layers, norm, head)."""
-        return sum(p.numel() * p.element_size() for _name, p in self.weight_tensors())
+        """Bytes of every weight this shard holds (embedding, layers, norm, head), int8 ones as int8."""
+        floats = sum(p.numel() * p.element_size() for _name, p in self.weight_tensors())
+        return floats + sum(int8_bytes(m) for m in (self.layers, self.lm_head) if m is not None)
 
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight this shard computes with, by name, each once (a tied head is the embedding's)."""
@@ -444,21 +458,25 @@ class Shard:
         """One decode step of ``len(xs)`` rows, row ``r`` the token at ``positions[r]`` of
         ``sessions[r]`` (a session's rows consecutive, in order): each row's hidden state ``[1, hidden]``,
         or on the tail its logits ``[1, vocab]``."""
+        real = len(xs)
+        padding = max(0, self.numerics.decode_band[0] - real)  # up to the band's bottom: see numerics
+        xs = xs + [xs[-1]] * padding
+        positions = positions + [positions[-1]] * padding
         masks = {w: [_decode_mask(p, w, self.device) for p in positions] for w in set(self.windows)}
-        rows = DecodeRows(sessions, masks, positions)
+        rows = DecodeRows([*sessions, *[None] * padding], masks, positions)
         token = decode_rows().set(rows)
         try:
-            with self.numerics.decode(rows=len(xs)):
+            with self.numerics.decode(rows=len(xs) if self._linears_see_the_step else None):
                 stacked = torch.stack(xs)  # [R, 1] token ids on the head, else [R, 1, hidden]
                 hidden = self.embed(stacked) if self.embed is not None else stacked
                 position_ids = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
                 hidden = self._run_layers(hidden, position_ids, rows, {w: None for w in masks})
                 if self.lm_head is None:
-                    return [hidden[r] for r in range(len(xs))]
+                    return [hidden[r] for r in range(real)]
                 logits = self._logits(hidden)
         finally:
             decode_rows().reset(token)
-        return [logits[r : r + 1] for r in range(len(xs))]
+        return [logits[r : r + 1] for r in range(real)]
 
     def _sampled(self, logits: torch.Tensor, sampling: Sampling, position: int) -> StepResult:
         """The token for ``position`` from one row of logits, with its log-probabilities if asked."""
@@ -498,6 +516,7 @@ class Shard:
         return hidden
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # config fields of mixture-of-experts models
 ROW_ALIGN = 32  # elements: CPU kernels run their vector loops over this many at a time, then a tail
 
 
