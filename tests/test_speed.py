@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import trio
 
 from meshd.audit.speed import RECHECK_S, STEPS, SpeedChecks, short_of_claim
@@ -126,3 +127,19 @@ async def test_refusing_to_be_timed_demotes_but_being_unreachable_does_not(autoj
     view, _other, peer_id = _mesh(claimed=50.0)
     unreachable = SpeedChecks(view, FakePeer(refuse=ErrorCode.UNREACHABLE))
     assert await unreachable.check(peer_id, "m", "k") is None and unreachable.avoided() == frozenset()
+
+
+async def test_steps_that_seem_to_take_no_time_are_timed_again(autojump_clock):
+    view, _gossip, peer_id = _mesh(1e7)
+    checks = SpeedChecks(view, FakePeer(step_s=0.01))
+    calls: list[int] = []
+
+    async def timed(_peer: str, _address: str, _model: str, _key: str, steps: int) -> float:
+        calls.append(steps)
+        if len(calls) <= 6:  # the first pairs: every call without steps delayed past those with them
+            return 0.5 if steps == 0 else 0.3
+        return 0.1 + steps * 0.01
+
+    checks._time = timed  # type: ignore[method-assign]
+    took = await checks._measure(peer_id, "addr", "m", "k")
+    assert took == pytest.approx(0.3 - 0.1) and len(calls) == 8  # one more pair, and a difference again
