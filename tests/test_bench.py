@@ -140,3 +140,27 @@ def test_bench_on_a_shaped_link_reports_what_the_shaper_delivered_next_to_the_me
     for place in ("loopback", "5ms/100Mbit"):
         assert report["speculative_speedup"][place]["ngram"]["2"] > 0
     assert "on shaped links" in run.stdout and "speculative ngram" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_prefix_bench_on_tiny_model_reports_reuse_and_an_import_with_identical_replies(tmp_path, tiny_model):
+    out = tmp_path / "prefix.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl_main", "bench", "--prefix", "--model", str(tiny_model),
+         "--prefix-tokens", "300", "--prefix-conversations", "1", "--prefix-new-tokens", "4", "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "prefix" and report["peers"] == 3
+    (row,) = report["conversations"]
+    assert row["first_prompt_tokens"] >= 256 and row["second_prompt_tokens"] > row["first_prompt_tokens"]
+    for key in ("whole_prefill_ttft_ms", "reused_ttft_ms", "one_process_ttft_ms", "speedup"):
+        assert row[key] > 0, key
+    assert report["identical"] and report["identical_to_one_process"]
+    assert report["entry_prefix_reuse"]["reused"] == 1
+    assert all(hop["hits"] == 1 for hop in report["hops_prefix_kv"])
+    lost = report["lost_cache"]
+    assert lost["imported"] == 1 and lost["identical_to_whole_prefill"] and lost["import_speedup"] > 0
+    assert "prefix imported from the KV tier" in run.stdout

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
+from meshd.cli.replay_cmd import add_replay_parser
 from meshd.cli.service_cmd import add_service_parser
 from meshd.cli.sim_cmd import add_sim_parser
+from meshd.cli.trace_cmd import add_trace_parser
 from meshd.daemon.config import DTYPE_CHOICES
 from meshd.links.profiles import LinkShape, LinkShapeError, parse_link_shapes
 from meshd.models import BUILTIN_NAMES
@@ -91,8 +93,13 @@ def _link_shapes(text: str) -> tuple[LinkShape, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve and args.prefix:
+        print("meshctl bench: --serve and --prefix are separate benchmarks; run one at a time", file=sys.stderr)
+        return 2
     if args.serve:
         return _cmd_bench_serve(args)
+    if args.prefix:
+        return _cmd_bench_prefix(args)
     from meshd.bench.runner import BenchConfig, main_bench
 
     links = {shape.label: shape for shapes in args.link or [] for shape in shapes}
@@ -124,6 +131,21 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                       workdir=Path(args.workdir) if args.workdir else None)
     out = Path(args.out) if args.out else Path("bench-out") / f"serve-{Path(args.model).name}.json"
     return main_serve(cfg, out)
+
+
+def _cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from meshd.bench.prefix_reuse import PrefixBenchConfig, main_prefix
+
+    if args.format != "safetensors" or args.link or args.speculative != ("off",) or args.dtype == "int8":
+        print("meshctl bench: --prefix measures safetensors meshes on loopback without speculation, in the "
+              "checkpoint's dtypes; it does not take --format gguf, --link, --speculative or --dtype int8",
+              file=sys.stderr)
+        return 2
+    cfg = PrefixBenchConfig(model=args.model, peers=max(args.peers or (3,)), first_tokens=args.prefix_tokens,
+                            conversations=args.prefix_conversations, new_tokens=args.prefix_new_tokens,
+                            dtype=args.dtype, workdir=Path(args.workdir) if args.workdir else None)
+    out = Path(args.out) if args.out else Path("bench-out") / f"prefix-{Path(args.model).name}.json"
+    return main_prefix(cfg, out)
 
 
 def _cmd_bench_relay(args: argparse.Namespace) -> int:
@@ -262,6 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed of the request mix and the arrival gaps: same seed, same requests and arrival "
                        "times (default 0)")
+    prefix = bench.add_argument_group(
+        "prefix reuse (--prefix)", "A conversation's second turn through a mesh of the largest --peers count (default "
+        "3): its time to first token when the route's hops kept the first turn's prefix, against a whole prefill "
+        "of the same prompt through the same hops (an entry run with --no-prefix-reuse), with the replies compared "
+        "token for token with each other and with one process.")
+    prefix.add_argument("--prefix", action="store_true",
+                        help="run the prefix-reuse benchmark instead of the standard workload (docs/benchmarks.md)")
+    prefix.add_argument("--prefix-tokens", type=int, default=1024, metavar="N",
+                        help="about how many tokens the first turn's prompt has (default 1024)")
+    prefix.add_argument("--prefix-conversations", type=int, default=3, metavar="N",
+                        help="conversations measured, each with another system prompt (default 3)")
+    prefix.add_argument("--prefix-new-tokens", type=int, default=32, metavar="N",
+                        help="tokens each turn generates, exactly (default 32)")
     bench.set_defaults(func=_cmd_bench)
 
     bench_relay = sub.add_parser(
@@ -276,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_relay.set_defaults(func=_cmd_bench_relay)
 
     add_mesh_parsers(sub)
+    add_replay_parser(sub)
+    add_trace_parser(sub)
     add_sim_parser(sub)
 
     doctor = sub.add_parser(

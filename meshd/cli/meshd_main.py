@@ -121,6 +121,17 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--memory-budget", metavar="SIZE", help="bytes of weights this peer may load (e.g. 6GiB)")
     run.add_argument("--kv-budget", metavar="SIZE", help="bytes of KV state across sessions (e.g. 1GiB)")
     run.add_argument("--chunk-tokens", type=int, help="prefill chunk size in tokens (default 512)")
+    run.add_argument("--prefix-kv", metavar="SIZE",
+                     help="bytes of KV this peer keeps of prompt prefixes (the end of a chat's first and last "
+                     "message) for later prompts that start with them to reuse instead of prefilling again "
+                     "(default 256MiB, inside --kv-budget and giving way to running sessions; 0: keep none)")
+    run.add_argument("--kv-tier", metavar="SIZE",
+                     help="memory this peer lends to the KV tier (e.g. 4GiB; default 0: none): hops publish the "
+                     "prefix KV they keep there, and a hop that lost a prefix imports it instead of prefilling "
+                     "again. A tier peer needs no model")
+    run.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", default=None,
+                     help="as the entry, prefill every prompt in full instead of starting after a prefix the "
+                     "route's hops kept (replies are the same either way)")
     run.add_argument("--torch-threads", type=int, metavar="N",
                      help="threads for model compute (default 0: every CPU this process may use)")
     run.add_argument("--compression", choices=["auto", "off", "always"],
@@ -146,6 +157,16 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="share of the requests this peer is the entry of that are followed by an audit of one hop "
                      "(default 0.02; 0: none): a short greedy replay of a synthetic prompt on three routes differing "
                      "in that hop")
+    run.add_argument("--capture", choices=["off", "metadata", "full"],
+                     help="record the requests this peer answers as the entry, for `meshctl replay` (default off): "
+                     "metadata keeps model, route, sampling, seed, token counts, timings and keyed hashes of prompt "
+                     "and reply, never their text; full also keeps request bodies and replies (credential fields "
+                     "redacted): people's prompts on disk, so only when that is allowed")
+    run.add_argument("--capture-max-records", type=int, metavar="N",
+                     help="most capture records kept (default 10000); the oldest go first")
+    run.add_argument("--capture-max-bytes", metavar="SIZE", help="most bytes of capture kept (default 64MiB)")
+    run.add_argument("--capture-max-age", dest="capture_max_age_s", metavar="DURATION",
+                     help="longest a capture record is kept: 90s, 30m, 12h, 7d (default 7d)")
     run.add_argument("--no-tracker", dest="tracker_eligible", action="store_false", default=None,
                      help="never take the tracker role")
     run.add_argument("--log-level", choices=LOG_LEVELS,
@@ -203,11 +224,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "api": args.api, "control": args.control, "metrics": args.metrics, "bootstrap": args.bootstrap,
         "model": args.model, "relays": args.relays, "reachability": args.reachability,
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
-        "kv_budget": args.kv_budget, "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
+        "kv_budget": args.kv_budget, "prefix_kv": args.prefix_kv, "kv_tier": args.kv_tier,
+        "prefix_reuse": args.prefix_reuse,
+        "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
         "log_level": args.log_level, "log_format": args.log_format, "ready_file": args.ready_file,
         "torch_threads": args.torch_threads,
         "compression": args.compression, "dtype": args.dtype, "device": args.device, "backend": args.backend,
-        "audit_rate": args.audit_rate, "numerics": args.numerics, "link_shape": args.link_shape,
+        "audit_rate": args.audit_rate, "capture": args.capture, "capture_max_records": args.capture_max_records,
+        "capture_max_bytes": args.capture_max_bytes, "capture_max_age_s": args.capture_max_age_s,
+        "numerics": args.numerics, "link_shape": args.link_shape,
         "speculative": args.speculative, "draft_model": args.draft_model, "max_draft_tokens": args.max_draft_tokens,
         "invite": getattr(args, "token", None) or args.invite, "open_mesh": args.open_mesh,
     }

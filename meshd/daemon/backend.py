@@ -16,10 +16,12 @@ from collections.abc import AsyncGenerator, Callable
 
 from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelInfo, Started, TokenEvent, TokenLogprob
 from meshd.api.errors import ApiError, BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
+from meshd.capture.recorder import CaptureRecorder, observe
+from meshd.capture.records import RequestObservation, numerics_of
 from meshd.models.artifacts import ModelFilesCache, ModelFilesUnavailable
 from meshd.models.text import TextCodec, ToolCall
 from meshd.session.attempt import GeneratedToken
-from meshd.session.entry import DeadlinePassed, EntrySessions, Generation
+from meshd.session.entry import DeadlinePassed, EntrySessions, Generation, PlannedRoute
 from meshd.session.repair import AllRefused, NoCompleteRoute, RepairFailed
 from meshd.session.routes import RouteClient
 from meshd.tracker.routing import NoRouteError
@@ -35,13 +37,15 @@ class MeshBackend:
     """A :class:`~meshd.api.backend.ChatBackend` that answers from the whole mesh."""
 
     def __init__(self, view: MeshView, routes: RouteClient, entry: EntrySessions, files: ModelFilesCache,
-                 leaving: Callable[[], bool], after_request: Callable[[Route], None] | None = None) -> None:
+                 leaving: Callable[[], bool], after_request: Callable[[Route], None] | None = None,
+                 capture: CaptureRecorder | None = None) -> None:
         self.view = view
         self.routes = routes
         self.entry = entry
         self.files = files
         self.leaving = leaving
         self.after_request = after_request  # told the route of every request answered in full (audits sample it)
+        self.capture = capture  # handed what every request answered here looked like, when capture is on
 
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(id=model_id) for model_id in self.view.covered_models()]
@@ -54,9 +58,12 @@ class MeshBackend:
         outcome = "cancelled"
         first = True
         tokens = metrics.tokens.labels(model)  # looked up once per request, counted per token
-        events = self._generate(req)
+        seen = observe(req) if self.capture is not None and self.capture.enabled else None
+        events = self._generate(req, seen)
         try:
             async for event in events:
+                if seen is not None:
+                    seen.on_event(event, time.monotonic())
                 if isinstance(event, TokenEvent):
                     if first:
                         metrics.ttft.labels(model).observe(time.monotonic() - started)
@@ -70,17 +77,37 @@ class MeshBackend:
             raise
         finally:
             metrics.requests.labels(model, outcome).inc()
+            if seen is not None and self.capture is not None:
+                seen.ended_at = time.monotonic()
+                self.capture.submit(seen)  # a request that was not answered is dropped there
             await events.aclose()
 
-    async def _generate(self, req: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
+    async def prompt_tokens(self, req: GenerationRequest, compat_key: str) -> list[int]:
+        """``req``'s prompt as the model of ``compat_key`` tokenizes it (what a replay matches by)."""
+        codec = await self.files.codec_for(req.model, compat_key, self.view.sources_of)
+        return _encode(codec, req)
+
+    def replay(self, req: GenerationRequest, planned: PlannedRoute, entry: EntrySessions,
+               seen: RequestObservation) -> AsyncGenerator[BackendEvent, None]:
+        """The events of ``req`` run on exactly ``planned`` by ``entry`` (one without repair), as the
+        API path runs a request otherwise; neither counted, captured nor audited."""
+        return self._generate(req, seen, planned, entry)
+
+    async def _generate(self, req: GenerationRequest, seen: RequestObservation | None = None,
+                        pinned: PlannedRoute | None = None, entry: EntrySessions | None = None,
+                        ) -> AsyncGenerator[BackendEvent, None]:
         if self.leaving():
             raise Overloaded("this peer is leaving the mesh; ask another peer", retry_after=1.0)
         if req.model not in self.view.known_models():
             raise ModelNotFound(req.model)
-        try:
-            first = await self.routes.route_for(req.model)
-        except NoRouteError as exc:
-            raise NoRoute(req.model, exc.missing) from None
+        sessions = entry or self.entry
+        if pinned is not None:
+            first = pinned
+        else:
+            try:
+                first = await self.routes.route_for(req.model)
+            except NoRouteError as exc:
+                raise NoRoute(req.model, exc.missing) from None
         try:
             codec = await self.files.codec_for(req.model, first.route.compat_key, self.view.sources_of)
         except ModelFilesUnavailable as exc:
@@ -100,13 +127,22 @@ class MeshBackend:
         gen = Generation(session_id=req.request_id, model_id=req.model, prompt=prompt, max_new_tokens=max_new,
                          sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63),
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs),
-                         stop_token_ids=stops, speculation=self.entry.speculation(req.model, codec.tokenizer))
+                         stop_token_ids=stops, speculation=sessions.speculation(req.model, codec.tokenizer),
+                         prefixes=sessions.prompt_prefixes(prompt, _boundaries(codec, req, prompt),
+                                                           first.route.compat_key, req.kind == "chat"))
+        if pinned is None:  # the hops that kept the longest known prefix of the prompt, when it pays
+            first = await sessions.route_for_prefix(gen, first)
+        if seen is not None:  # the seed used, drawn or given, so that a replay samples the same reply
+            seen.planned(first.route, first.source, numerics_of(self.view.cards(), first.route), prompt,
+                         gen.sampling.seed, max_new)
         reply = _Reply(codec, tools=bool(req.tools))
         last: int | None = None
         count = 0
-        tokens = self.entry.generate(gen, first)
+        tokens = sessions.generate(gen, first)
         try:
             async for token in tokens:
+                if seen is not None and count == 0 and (live := sessions.live.get(gen.session_id)) is not None:
+                    seen.live = live  # its route and repairs, as the generation goes on
                 last, count = token.token, count + 1
                 yield TokenEvent(text=reply.push(token.token), token_id=token.token, logprob=_logprob(codec, token))
         except NoCompleteRoute as exc:
@@ -119,7 +155,7 @@ class MeshBackend:
             raise DeadlineExceeded(self.entry.config.request_timeout_s) from None
         finally:
             await tokens.aclose()  # type: ignore[attr-defined]
-        if self.after_request is not None:
+        if self.after_request is not None and pinned is None:
             self.after_request(first.route)
         text, calls = reply.finish()
         if calls:
@@ -163,6 +199,11 @@ def _logprob(codec: TextCodec, token: GeneratedToken) -> TokenLogprob | None:
         return None
     return TokenLogprob(codec.token_text(token.token), token.logprob,
                         [(codec.token_text(t), lp) for t, lp in token.top_logprobs])
+
+
+def _boundaries(codec: TextCodec, req: GenerationRequest, prompt: list[int]) -> list[int]:
+    """Where the chat's messages end in its prompt (a completion's prompt has none)."""
+    return codec.chat_boundaries(req.messages or [], prompt, req.tools) if req.kind == "chat" else []
 
 
 def _encode(codec: TextCodec, req: GenerationRequest) -> list[int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.address import Address
+from meshd.capture.records import CAPTURE_MODES
 from meshd.links.profiles import parse_link_shape
 from meshd.logs import FORMATS, LEVELS
 from meshd.session import SPECULATIVE_MODES
@@ -68,6 +69,15 @@ class PeerConfig:
     device: str = setting("auto", "auto (cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
     memory_budget: int = setting(8 * 1024**3, "bytes of weights this peer may load (e.g. \"6GiB\")")
     kv_budget: int = setting(1024**3, "bytes of KV state across sessions (e.g. \"1GiB\")")
+    prefix_kv: int = setting(256 * 1024**2, "bytes of KV this peer keeps of prompt prefixes (the end of a chat's "
+                             "first and last message), that later prompts starting with them reuse instead of "
+                             "prefilling again; inside kv_budget, giving way to running sessions; 0 keeps none")
+    kv_tier: int = setting(0, "bytes of memory this peer lends to the KV tier: hops publish the prefix KV they keep "
+                           "there, and a hop that lost a prefix imports it instead of prefilling again (e.g. "
+                           "\"4GiB\"); 0: lends none. A tier peer needs no model")
+    prefix_reuse: bool = setting(True, "as the entry, start a prompt after the longest prefix of it that the route's "
+                                 "hops kept of an earlier one (and favour routes through those hops); replies are "
+                                 "the same either way")
     chunk_tokens: int = setting(512, "prefill chunk size in tokens (see docs/benchmarks.md)")
     torch_threads: int = setting(0, "threads for model compute; 0: every CPU this process may use")
     compression: str = setting("auto", "zstd for large prefill bundles: auto (per link, where measured to pay), "
@@ -114,6 +124,16 @@ class PeerConfig:
                                 "route is audited: a short greedy replay of a synthetic prompt on three routes that "
                                 "differ in that hop (0: never; accusations heard are checked all the same)")
     audit_tokens: int = setting(8, "tokens each audit replay generates")
+    capture: str = setting("off", "record the requests this peer answers as the entry, for `meshctl replay`: off, "
+                           "metadata (model, compat key, numerics class, route, sampling and the seed used, token "
+                           "counts, timings, and keyed hashes of prompt and reply: no text, no token ids) or full "
+                           "(also the request body and the reply's tokens and text, credential fields redacted; "
+                           "keeps people's prompts on disk); in data_dir/capture, files mode 0600 (docs/operations.md)")
+    capture_max_records: int = setting(10_000, "most capture records kept; the oldest go first")
+    capture_max_bytes: int = setting(64 * 1024**2, "most bytes of capture records kept (e.g. \"64MiB\"); the oldest "
+                                     "go first")
+    capture_max_age_s: float = setting(7 * 86400.0, "seconds a capture record is kept at most (e.g. \"7d\" in the "
+                                       "environment or with --capture-max-age)")
     drain_timeout_s: float = setting(30.0, "on SIGTERM: seconds running sessions may take to finish")
     relays: list[str] = setting_list("meshd-relays (HOST:PORT each) to register with when not directly dialable")
     reachability: str = setting("auto", "auto (let other peers test whether we can be dialled), direct (always "
@@ -135,11 +155,14 @@ class PeerConfig:
             raise ValueError("speculative = model needs draft_model")
         if not 0 <= self.audit_rate <= 1:
             raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
-        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget"):
+        if self.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture is one of {', '.join(CAPTURE_MODES)}, not {self.capture!r}")
+        for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget",
+                     "capture_max_records", "capture_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        for name in ("memory_budget", "kv_budget", "torch_threads", "batch_hold", "batch_latency_ms",
-                     "session_opens_per_s"):
+        for name in ("memory_budget", "kv_budget", "prefix_kv", "kv_tier", "torch_threads", "batch_hold",
+                     "batch_latency_ms", "session_opens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} cannot be negative ({getattr(self, name)})")
         for f in fields(self):
@@ -170,16 +193,33 @@ _CONVERTERS: dict[str, Any] = {
     "listen": _address, "advertise": _address, "api": _address, "control": _address, "metrics": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
     "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
-    "memory_budget": parse_size, "kv_budget": parse_size, "card_budget": parse_size, "bootstrap": _addresses,
+    "memory_budget": parse_size, "kv_budget": parse_size, "prefix_kv": parse_size, "kv_tier": parse_size,
+    "card_budget": parse_size,
+    "bootstrap": _addresses,
     "relays": _addresses, "reachability": lambda v: _choice(v, ("auto", "direct", "relayed")),
     "compression": lambda v: _choice(v, ("auto", "off", "always")),
     "dtype": lambda v: _choice(v, DTYPE_CHOICES),
     "backend": lambda v: _choice(v, ("auto", "torch", "llama.cpp")),
     "device": _device,
+    "capture": lambda v: _choice(v, CAPTURE_MODES), "capture_max_bytes": parse_size,
+    "capture_max_age_s": lambda v: parse_duration(v),
     "link_shape": lambda v: parse_link_shape(v).label if str(v).strip() else "",
     "log_level": lambda v: _choice(v, LEVELS),
     "log_format": lambda v: _choice(v, FORMATS),
 }
+
+
+def parse_duration(value: str | float) -> float:
+    """``"90s"``, ``"30m"``, ``"12h"``, ``"7d"`` or a number of seconds -> seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower()
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        return float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"not a duration: {value!r} (e.g. 90s, 30m, 12h, 7d)") from None
 
 
 def _choice(value: str, allowed: tuple[str, ...]) -> str:

@@ -14,6 +14,7 @@ from starlette.routing import Route
 from meshd.admission import NotAdmitter
 from meshd.daemon.status import models_table, peer_status, peers_table, route_as_json, sessions_table
 from meshd.stats import percentiles
+from meshd.trace.parity import trace_parity_endpoint
 from meshd.tracker.routing import NoRouteError
 
 # the status page: the mesh at a glance, drawn in the browser from the JSON below (no build step)
@@ -69,8 +70,13 @@ def build_control_app(peer: Peer) -> Starlette:
         summary["repair_ms"] = {pos: percentiles(v) for pos, v in repair_ms.items()}
         if peer.served is not None:
             summary["batches"] = peer.served.host.batcher.stats.summary()
+            shard = peer.served.host.shard
+            if shard is not None:
+                summary["prefix_kv"] = shard.kv.prefixes.summary()
         if peer.entry is not None:
             summary["speculation"] = peer.entry.draft_summary()
+            summary["prefix_reuse"] = {**peer.entry.prefix_stats, "remembered": len(peer.entry.prefix_map)}
+        summary["kv_tier"] = {**peer.tier.stats, "lent": peer.tier_store.summary() if peer.tier_store else None}
         if request.query_params.get("reset"):
             peer.hops.stats.reset()
             repair_ms.clear()
@@ -113,7 +119,39 @@ def build_control_app(peer: Peer) -> Starlette:
         peer.control.revoke(signed)
         return JSONResponse({"revoked": target, "mesh": peer.membership.mesh})
 
+    async def replay(request: Request) -> JSONResponse:
+        """One captured record re-run on a chosen route and compared (``meshctl replay``)."""
+        try:
+            doc = await body_of(request)
+            if peer.replayer is None:
+                return JSONResponse({"error": "this peer is still starting"}, status_code=503)
+            record, body = doc.get("record"), doc.get("request")
+            route, peers, exclude = doc.get("route") or "", doc.get("peers") or [], doc.get("exclude") or []
+            if not isinstance(record, dict) or not (body is None or isinstance(body, dict)) \
+                    or not isinstance(route, str) or not _strings(peers) or not _strings(exclude):
+                raise ValueError("the body is {record: {...}, request?: {...}, route?: str, peers?: [str], "
+                                 "exclude?: [str]}")
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse(await peer.replayer.replay(record, body, route, peers, exclude))
+
+    async def replay_match(request: Request) -> JSONResponse:
+        """Which re-supplied request bodies are the requests of which metadata records."""
+        try:
+            doc = await body_of(request)
+            if peer.replayer is None:
+                return JSONResponse({"error": "this peer is still starting"}, status_code=503)
+            records, bodies = doc.get("records"), doc.get("requests")
+            if not isinstance(records, list) or not isinstance(bodies, list):
+                raise ValueError("the body is {records: [...], requests: [...]}")
+            return JSONResponse(await peer.replayer.match(records, bodies))
+        except (ValueError, OSError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+
     return Starlette(routes=[
+        Route("/replay", replay, methods=["POST"]),
+        Route("/replay/match", replay_match, methods=["POST"]),
+        Route("/trace-parity", trace_parity_endpoint(peer), methods=["POST"]),
         Route("/invite", invite, methods=["POST"]),
         Route("/revoke", revoke, methods=["POST"]),
         Route("/stats", stats),
@@ -126,3 +164,7 @@ def build_control_app(peer: Peer) -> Starlette:
         Route("/events", events),
         Route("/", page),
     ])
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)

@@ -29,6 +29,9 @@ from meshd.api.openai_server import build_app, serve_asgi, start_listener
 from meshd.audit.auditor import Auditor
 from meshd.audit.book import AuditBook
 from meshd.audit.speed import SpeedChecks
+from meshd.capture.recorder import CaptureRecorder
+from meshd.capture.replayer import Replayer
+from meshd.capture.store import Retention
 from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
@@ -38,6 +41,11 @@ from meshd.daemon.status import peer_status
 from meshd.errors import MeshError, ModelFormatError
 from meshd.files import write_atomically
 from meshd.identity import Identity
+from meshd.identity.keys import IdentityError
+from meshd.identity.private_files import PrivateFileError
+from meshd.kvtier.client import TierClient
+from meshd.kvtier.snapshots import Expected
+from meshd.kvtier.store import TierRefused, TierStore
 from meshd.links.profiles import parse_link_shape
 from meshd.logs import RecentRecords
 from meshd.metrics import Levels, PeerMetrics, metrics_app
@@ -50,19 +58,23 @@ from meshd.runtime.cpu_turn import CpuTurn
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
 from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
+from meshd.runtime.prefix_kv import PrefixSnapshot
 from meshd.runtime.served_model import CheckRefused, PlacementRefused, ServedModel
 from meshd.session import messages as seam
 from meshd.session.drafting import DraftModel
 from meshd.session.entry import EntryConfig, EntrySessions
 from meshd.session.hop import HopService
 from meshd.session.hop_state import AdmissionLimits
+from meshd.session.prefixes import load_secret
 from meshd.session.repair import RepairConfig
 from meshd.session.routes import RouteClient
+from meshd.trace.service import TraceService
 from meshd.transport import MessageStream, StreamHandler, Transport
 from meshd.weights.join import ModelJoin
 from meshd.weights.source import WeightsSource
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import card_pb2 as cpb
+from meshd.wire import kv_tier_pb2 as kvpb
 from meshd.wire import rpc_pb2 as rpb
 
 log = logging.getLogger("meshd.peer")
@@ -90,6 +102,10 @@ class Peer:
         self.recent_logs = recent_logs or RecentRecords()  # what `meshctl logs` shows
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(config.data_dir)
+        try:
+            self.prefix_secret = load_secret(config.data_dir)  # what this entry's prefix names are keyed with
+        except PrivateFileError as exc:
+            raise IdentityError(str(exc)) from None
         self.peer_id = self.identity.peer_id
         self.membership = Membership.load(config.data_dir, self.identity, open_mesh=config.open_mesh,
                                           invite=config.invite, founding=not config.bootstrap)
@@ -128,12 +144,20 @@ class Peer:
             self.control.gossip.admit_with(self.membership.gate)
         self.audits = AuditBook(self.peer_id)
         self.control.gossip.accusations = self.audits.accusations
+        self.tier_store = TierStore(config.kv_tier) if config.kv_tier else None  # the memory this peer lends
+        self.tier = TierClient(self.transport, self.control.view,
+                               idle=lambda: self.hops.active_sessions == 0 and self.hops.queued == 0)
+        self.hops.on_kept = self._publish_prefix
         self.speed = SpeedChecks(self.control.view, self.transport,
                                  on_verdict=lambda verdict: self.metrics.speed_checks.labels(verdict).inc())
         self.routes = RouteClient(self.control.view, self.transport, self.control.tracker, self.control.duties,
                                   excluded=self.audits.excluded, avoided=self.speed.avoided,
                                   on_route=self.speed.on_route)
         self.auditor: Auditor | None = None  # once running: it needs the sessions nursery
+        self.capture = CaptureRecorder(config.data_dir, config.capture,
+                                       Retention(config.capture_max_records, config.capture_max_bytes,
+                                                 config.capture_max_age_s), self.peer_id)
+        self.replayer: Replayer | None = None  # once running, like the auditor
         self.files = ModelFilesCache(config.data_dir, self.served.info if self.served else None, self.transport)
         self.weights = WeightsSource()
         if self.served is not None:
@@ -152,6 +176,11 @@ class Peer:
         self.rpc.register("manifest", self.weights.serve_manifest)
         self.rpc.register("chunk", self.weights.serve_chunk)
         self.rpc.register("speed_check", self._on_speed_check)
+        self.trace = TraceService(lambda: self.served)  # trace parity: this peer's hidden states, asked for
+        self.rpc.register("trace", self.trace.serve)
+        self.rpc.register("prefix_probe", self._on_prefix_probe)
+        self.rpc.register("kv_put", self._on_kv_put)
+        self.rpc.register("kv_get", self._on_kv_get)
         self._streams: dict[str, StreamHandler] = {
             seam.SEAM_PATH: self.hops.handle_seam,
             seam.RESULTS_PATH: self.hops.handle_results,
@@ -180,6 +209,7 @@ class Peer:
         cfg = self.config
         return ShardHost(info.model_dir, numerics=info.numerics, manifest=info.manifest,
                          max_chunk_tokens=max(512, cfg.chunk_tokens), kv_budget_bytes=cfg.kv_budget,
+                         prefix_kv_bytes=cfg.prefix_kv,
                          batch_hold=cfg.batch_hold, batch_latency_ms=cfg.batch_latency_ms, compute=compute,
                          cpu_turn=CpuTurn() if cfg.cpu_turn and info.numerics.device_kind == "cpu" else None)
 
@@ -234,6 +264,7 @@ class Peer:
             card.models.append(self.served.card_entry())
             card.load.CopyFrom(cpb.Load(active_sessions=self.hops.active_sessions, queued=self.hops.queued))
             card.kv_free_bytes = self.served.host.kv_free_bytes
+        card.kv_tier_bytes = self.config.kv_tier
         return card
 
     def _republish(self) -> None:
@@ -298,6 +329,37 @@ class Peer:
         if self.served is None:
             raise CheckRefused("this peer offers no model")
         return await self.served.serve_speed_check(sender, check)
+
+    async def _on_prefix_probe(self, sender: str, probe: rpb.PrefixProbe) -> rpb.PrefixHeld:
+        if self.served is None:
+            raise CheckRefused("this peer offers no model")
+        importer = self._import_prefix if self.tier.tier_peers() else None
+        return await self.served.serve_prefix_probe(sender, probe, importer)
+
+    async def _import_prefix(self, expected: Expected) -> PrefixSnapshot | None:
+        """A prefix snapshot of this peer's range from the KV tier, published by a peer serving exactly
+        these layers in this numerics class (this one included)."""
+        trusted = {self.peer_id} | {
+            peer for peer, card in self.control.view.cards().items()
+            if any(m.compat_key == expected.compat_key and (m.range_start, m.range_end)
+                   == (expected.range_start, expected.range_end) for m in card.models)}
+        return await self.tier.fetch(expected, frozenset(trusted))
+
+    def _publish_prefix(self, key: bytes) -> None:
+        """A prefix this hop just kept goes to the KV tier too (in the background)."""
+        if self.served is not None:
+            self.tier.publish_soon(functools.partial(self.served.encoded_for_tier, key, self.identity))
+
+    async def _on_kv_put(self, sender: str, put: kvpb.KVPut) -> rpb.Accepted:
+        if self.tier_store is None:
+            raise TierRefused("this peer lends no memory to the KV tier")
+        self.tier_store.put(sender, put)
+        return rpb.Accepted()
+
+    async def _on_kv_get(self, sender: str, get: kvpb.KVGet) -> kvpb.KVChunk | kvpb.KVMissing:
+        if self.tier_store is None:
+            raise TierRefused("this peer lends no memory to the KV tier")
+        return self.tier_store.get(get) or kvpb.KVMissing()
 
     async def _draft_model(self) -> DraftModel | None:
         """The draft model speculative decoding guesses with, loaded off the event loop; None when not
@@ -403,7 +465,8 @@ class Peer:
                                         request_timeout_s=cfg.request_timeout_s,
                                         repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s),
                                         speculative=cfg.speculative, max_draft_tokens=cfg.max_draft_tokens,
-                                        draft_model=await self._draft_model())
+                                        draft_model=await self._draft_model(), prefix_reuse=cfg.prefix_reuse,
+                                        prefix_secret=self.prefix_secret)
                     self.entry = EntrySessions(self.peer_id, self.transport, self.routes, entry, sessions,
                                                metrics=self.metrics)
                     # audit replays run on exactly the route they are given: no repair
@@ -413,7 +476,12 @@ class Peer:
                                            rate=cfg.audit_rate, tokens=cfg.audit_tokens)
                     self.control.on_accusation = self.auditor.on_accusation
                     backend = MeshBackend(self.control.view, self.routes, self.entry, self.files,
-                                          leaving=lambda: self.leaving, after_request=self.auditor.after_request)
+                                          leaving=lambda: self.leaving, after_request=self.auditor.after_request,
+                                          capture=self.capture)
+                    # replays, like audits, run on exactly the route they are given
+                    self.replayer = Replayer(self.peer_id, backend, replays, self.routes, self._codec_for,
+                                             cfg.data_dir)
+                    await nursery.start(self.capture.run)
                     api = Address.parse(cfg.api)
                     api_port = await start_listener(nursery, "the OpenAI API", api, serve_asgi, build_app(backend),
                                                      api, "meshd.api.http")
@@ -436,6 +504,7 @@ class Peer:
                     await nursery.start(self.control.run, self._on_tick)
                     await nursery.start(self.hops.run)
                     await nursery.start(self.speed.run)
+                    await nursery.start(self.tier.run)
                     nursery.start_soon(self.reachability.run, self.handle_stream, self._dialback_helpers)
                     log.info("peer %s listening on %s, API on %s, control on %s, metrics on %s", self.peer_id,
                              self.bound.advertise, self.bound.api, self.bound.control, self.bound.metrics or "-")

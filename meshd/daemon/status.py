@@ -48,6 +48,8 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "speed_checks": {"pending": peer.speed.pending},
         "audits": {"rate": peer.config.audit_rate, "outcomes": dict(peer.audits.audits),
                    "excluded": sorted(peer.audits.excluded()), "running": peer.auditor.running if peer.auditor else 0},
+        "capture": {**peer.capture.status(),
+                    "replays": peer.replayer.status() if peer.replayer is not None else None},
         "uptime_s": round(now - control.started_at, 1),
         "reachability": peer.reachability.status(),
         "link_shape": link.spec if (link := peer.transport.config.link_shape) else None,

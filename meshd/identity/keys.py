@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import stat
 from pathlib import Path
 
 import nacl.exceptions
 import nacl.signing
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.identity.private_files import PrivateFileError, load_or_create_private
 
 KEY_FILE_NAME = "identity.key"
 PUBLIC_KEY_BYTES = 32
@@ -78,43 +77,12 @@ class Identity:
     @classmethod
     def load_or_create(cls, data_dir: Path, file_name: str = KEY_FILE_NAME) -> Identity:
         """Load ``data_dir/identity.key`` (or ``file_name``), creating it (mode 0600) on first run."""
-        data_dir = Path(data_dir)
-        path = data_dir / file_name
-        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = Path(data_dir) / file_name
         try:
-            return cls._create(path)
-        except FileExistsError:
-            return cls._load(path)
-
-    @classmethod
-    def _create(cls, path: Path) -> Identity:
-        # O_EXCL: never overwrite a key another process just wrote; 0600 from the start, so the
-        # seed is never on disk with wider permissions even for an instant.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        signing_key = nacl.signing.SigningKey.generate()
-        try:
-            os.write(fd, bytes(signing_key).hex().encode("ascii") + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return cls(signing_key)
-
-    @classmethod
-    def _load(cls, path: Path) -> Identity:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise IdentityError(f"identity key {path} is not a regular file")
-            mode = stat.S_IMODE(info.st_mode)
-            if mode & 0o077:
-                raise IdentityError(
-                    f"identity key {path} is accessible by group or others (mode {mode:04o}); "
-                    f"it must be private to its owner: chmod 600 {path}"
-                )
-            raw = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+            raw, _created = load_or_create_private(
+                path, lambda: bytes(nacl.signing.SigningKey.generate()).hex().encode("ascii") + b"\n", "identity key")
+        except PrivateFileError as exc:
+            raise IdentityError(str(exc)) from None
         return cls(nacl.signing.SigningKey(_parse_seed(raw, path)))
 
     @property

@@ -24,6 +24,7 @@ from typing import Any
 
 from meshd.session.detokenize import IncrementalDetokenizer
 
+CHAT_BOUNDARY_TAIL = 4  # message ends looked for before the last message (a turn may add several)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -72,6 +73,28 @@ class TextCodec:
             kwargs["tools"] = tools
         encoded = self.tokenizer.apply_chat_template([_for_template(m) for m in messages], **kwargs)
         return [int(i) for i in encoded["input_ids"]]
+
+    def chat_boundaries(self, messages: list[dict[str, Any]], tokens: list[int],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Where messages end in ``tokens`` (the encoded chat): the length of the template's rendering of
+        the first message and of the last few conversations before the whole, wherever that rendering
+        is a prefix of ``tokens`` (a template may render earlier messages differently once later ones
+        follow; such an end is left out). Prefix KV is kept and found at these ends."""
+        n = len(messages)
+        counts = sorted({1, *range(max(1, n - CHAT_BOUNDARY_TAIL), n + 1)} - {0})
+        kwargs: dict[str, Any] = {"add_generation_prompt": False, "tokenize": True, "return_dict": True}
+        if tools:
+            kwargs["tools"] = tools
+        ends: list[int] = []
+        for count in counts:
+            try:
+                encoded = self.tokenizer.apply_chat_template([_for_template(m) for m in messages[:count]], **kwargs)
+            except Exception:  # a template may refuse a conversation cut there (say, one ending in a tool call)
+                continue
+            ids = [int(i) for i in encoded["input_ids"]]
+            if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids:
+                ends.append(len(ids))
+        return sorted(set(ends))
 
     def encode_text(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text)["input_ids"]]

@@ -8,7 +8,7 @@ sends the very same bundles over HTTP/2 seams.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,32 @@ def input_bundles(
         sampling=sampling if start_position == 0 else None, draft=tuple(draft),
     )
     yield from (whole.chunks(chunk_tokens) if not draft else [whole])
+
+
+def prefill_bundles(
+    session_id: str,
+    epoch: int,
+    token_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    head_range: tuple[int, int],
+    sampling: Sampling,
+    prefix: bytes = b"",
+    keep: Mapping[int, bytes] | None = None,
+) -> list[HiddenStateBundle]:
+    """The head's prefill chunks of a session: positions ``spans`` (consecutive, the first starting where
+    the session does) of ``token_ids`` (the whole sequence). The first chunk carries the sampling
+    settings and, when the session starts after a kept prefix, its name ``prefix``; a chunk ending at a
+    position of ``keep`` asks every hop to keep the KV there under that name; the last asks to sample."""
+    if not spans:
+        raise ValueError("a prefill has at least one chunk")
+    keep = keep or {}
+    end = spans[-1][1]
+    return [HiddenStateBundle(
+        session_id=session_id, epoch=epoch, phase=Phase.PREFILL, start_position=a, token_count=b - a,
+        tensors={INPUT_IDS: torch.tensor(list(token_ids[a:b]), dtype=torch.long)},
+        range_start=head_range[0], range_end=head_range[1], sample=b == end,
+        sampling=sampling if i == 0 else None, prefix=prefix if i == 0 else b"", keep_prefix=keep.get(b, b""),
+    ) for i, (a, b) in enumerate(spans)]
 
 
 class LocalChain:

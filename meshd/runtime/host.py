@@ -32,6 +32,7 @@ from meshd.runtime.cpu_turn import CpuTurn
 from meshd.runtime.machine_share import MachineShare
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import Numerics
+from meshd.runtime.prefix_kv import DEFAULT_PREFIX_BYTES
 from meshd.runtime.shard import Shard, StepResult
 from meshd.runtime.speed_probe import TIMING_SESSION
 from meshd.wire.bundle import HiddenStateBundle
@@ -139,7 +140,8 @@ class ShardHost:
 
     def __init__(self, model_dir: Path, *, numerics: Numerics | None = None, manifest: Manifest | None = None,
                  max_chunk_tokens: int = 512, kv_budget_bytes: int | None = None,
-                 session_ttl_s: float = 600.0, max_batch: int = 16, torch_threads: int | None = None,
+                 prefix_kv_bytes: int = DEFAULT_PREFIX_BYTES, session_ttl_s: float = 600.0, max_batch: int = 16,
+                 torch_threads: int | None = None,
                  keep_logits: bool = False, batch_hold: float = 1.0, batch_latency_ms: float = 0.0,
                  compute: ComputeThread | InlineCompute | None = None, cpu_turn: CpuTurn | None = None) -> None:
         self.model_dir = Path(model_dir)
@@ -149,6 +151,7 @@ class ShardHost:
                                    latency_bound_s=batch_latency_ms / 1000 if batch_latency_ms > 0 else None,
                                    shared_machine=MachineShare())
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
+                                                   prefix_kv_bytes=prefix_kv_bytes,
                                                    session_ttl_s=session_ttl_s, keep_logits=keep_logits,
                                                    numerics=numerics, manifest=manifest)
         self.loaded = trio.Event()

@@ -2,7 +2,8 @@
 
 Each session, keyed by ``(session_id, epoch)``, owns the attention keys and values of this shard's
 layers only. The manager accounts the bytes of the tensors it actually holds, and evicts by idle TTL,
-by least-recent use when the byte budget is exceeded, and on request. A session that is gone is
+by least-recent use when the byte budget is exceeded (kept prefixes, :mod:`meshd.runtime.prefix_kv`,
+go first), and on request. A session that is gone is
 remembered (boundedly) with the reason, so a late step gets an explicit cache miss that says why.
 The manager's bookkeeping is guarded by a lock: steps run on the shard's compute thread while
 sessions are released from the event loop.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshd.errors import CacheMiss, KVBudgetExceeded
+from meshd.runtime.prefix_kv import DEFAULT_PREFIX_BYTES, PrefixSnapshot, PrefixStore
 from meshd.wire.bundle import Sampling
 
 SessionKey = tuple[str, int]
@@ -76,10 +78,13 @@ class KVManager:
         clock: Callable[[], float] = time.monotonic,
         new_session: Callable[[SessionKey, Sampling, float], SessionKV] | None = None,
         on_forget: Callable[[SessionKV], None] | None = None,
+        prefix_bytes: int = DEFAULT_PREFIX_BYTES,
     ) -> None:
         """``new_session`` and ``on_forget`` let an engine that keeps KV outside these tensors (llama.cpp's
-        sequences) hand out its own sessions and learn when one is gone."""
+        sequences) hand out its own sessions and learn when one is gone; ``prefix_bytes`` bounds the
+        kept prefixes (0: none are kept)."""
         self.budget_bytes = budget_bytes
+        self.prefixes = PrefixStore(prefix_bytes)
         self.ttl_s = ttl_s
         self._clock = clock
         self._new_session = new_session or (lambda key, sampling, now: SessionKV(key=key, sampling=sampling,
@@ -92,8 +97,9 @@ class KVManager:
 
     def with_sessions(self, new_session: Callable[[SessionKey, Sampling, float], SessionKV],
                       on_forget: Callable[[SessionKV], None]) -> KVManager:
-        """An empty manager with the same budget, TTL and clock, handing out ``new_session``'s sessions."""
-        return KVManager(self.budget_bytes, self.ttl_s, self._clock, new_session, on_forget)
+        """An empty manager with the same budget, TTL and clock, handing out ``new_session``'s sessions
+        (whose KV is not in tensors of ours, so no prefix of them is kept)."""
+        return KVManager(self.budget_bytes, self.ttl_s, self._clock, new_session, on_forget, prefix_bytes=0)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -118,12 +124,16 @@ class KVManager:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def open(self, key: SessionKey, sampling: Sampling) -> SessionKV:
+    def open(self, key: SessionKey, sampling: Sampling, prefix: PrefixSnapshot | None = None) -> SessionKV:
+        """A new session, empty or holding a kept ``prefix`` (whose tensors it shares, never writes)."""
         with self._lock:
             self.expire()
             if key in self._sessions:
                 self._forget(key, "replaced")
             session = self._new_session(key, sampling, self._clock())
+            if prefix is not None:
+                session.keys, session.values = dict(prefix.keys), dict(prefix.values)
+                session.length = session.confirmed = prefix.length
             self._sessions[key] = session
             self._bytes[key] = 0
             self._gone.pop(key, None)
@@ -154,9 +164,33 @@ class KVManager:
                 raise KVBudgetExceeded(
                     f"session {key[0]!r} needs {session.nbytes} KV bytes, budget is {self.budget_bytes}"
                 )
+            while self.used_bytes + self.prefixes.used_bytes > self.budget_bytes and self.prefixes.evict_oldest():
+                pass
             while self.used_bytes > self.budget_bytes:
                 oldest = next(iter(self._sessions))
                 self._forget(oldest, "evicted: least recently used, KV budget full")
+
+    def keep_prefix(self, name: bytes, key: SessionKey) -> bool:
+        """Keep what session ``key`` holds now as the prefix ``name``, within the budgets."""
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None or not session.length or self.prefixes.max_bytes == 0:
+                return False
+            return self.keep_snapshot(name, PrefixSnapshot.of(session.length, session.keys, session.values))
+
+    def keep_snapshot(self, name: bytes, snapshot: PrefixSnapshot) -> bool:
+        """Keep ``snapshot`` (computed here, or imported) as the prefix ``name``, within the budgets."""
+        with self._lock:
+            if self.prefixes.max_bytes == 0:
+                return False
+            if self.budget_bytes is not None and self.used_bytes + snapshot.nbytes > self.budget_bytes:
+                return False  # running sessions come first
+            if not self.prefixes.keep(name, snapshot):
+                return False
+            while (self.budget_bytes is not None and self.used_bytes + self.prefixes.used_bytes > self.budget_bytes
+                   and self.prefixes.evict_oldest()):
+                pass
+            return self.prefixes.holds(name)
 
     def resume(self, old: SessionKey, new: SessionKey, length: int) -> int:
         """Carry a session's KV over to a new epoch, keeping its first ``length`` tokens (a repaired

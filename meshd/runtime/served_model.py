@@ -14,9 +14,13 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.identity import Identity
+from meshd.kvtier.snapshots import Encoded, Expected, encode_snapshot
 from meshd.runtime.doctor import Check, check_shard
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo
+from meshd.runtime.prefix_kv import MAX_PROBED_PREFIXES, PrefixSnapshot, prefix_scope, scoped_name
+from meshd.runtime.shard import Shard
 from meshd.runtime.speed_probe import decode_steps, measure_decode_tok_s
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as rpb
@@ -31,6 +35,10 @@ class PlacementRefused(MeshError):
 
 
 MAX_CHECK_STEPS = 32  # decode steps one speed check may ask for
+
+
+Importer = Callable[[Expected], Awaitable[PrefixSnapshot | None]]
+"""``importer(expected)``: the snapshot ``expected`` describes, from the KV tier; None when it has none."""
 
 
 class CheckRefused(MeshError):
@@ -129,3 +137,44 @@ class ServedModel:
             await self.host.run_sync(decode_steps, self.host.require_shard(), check.steps,
                                      f"check-{sender[:16]}")
         return rpb.SpeedChecked(steps=check.steps)
+
+    async def serve_prefix_probe(self, sender: str, probe: rpb.PrefixProbe,
+                                 importer: Importer | None = None) -> rpb.PrefixHeld:
+        """Which of the prefixes an entry names this peer's shard keeps for its sessions through
+        ``probe.upstream_peer_id`` (:mod:`meshd.runtime.prefix_kv`). With ``importer`` (the KV tier),
+        the longest one not kept here is imported first, when the tier has it."""
+        if probe.model_id != self.info.model_id or probe.compat_key != self.info.compat_key:
+            raise CheckRefused(f"prefix probe for {probe.model_id!r} ({probe.compat_key[:12]}); this peer serves "
+                               f"{self.info.model_id!r} ({self.info.compat_key[:12]})")
+        if len(probe.names) != len(probe.lengths) or len(probe.names) > MAX_PROBED_PREFIXES:
+            raise CheckRefused(f"a prefix probe names at most {MAX_PROBED_PREFIXES} prefixes, each with its length")
+        shard = self.host.shard
+        if shard is None:
+            return rpb.PrefixHeld()
+        scope = prefix_scope(sender, probe.upstream_peer_id)
+        asked = [(name, length, scoped_name(scope, name)) for name, length in zip(probe.names, probe.lengths,
+                                                                                   strict=True)]
+        held = [name for name, length, key in asked if shard.kv.prefixes.holds(key, length)]
+        longest = max((length for name, length, _key in asked if name in held), default=0)
+        missing = sorted(((length, key, name) for name, length, key in asked if length > longest), reverse=True)
+        if importer is not None and missing:
+            length, key, name = missing[0]
+            snapshot = await importer(self.tier_expected(shard, key, length))
+            if snapshot is not None and shard.kv.keep_snapshot(key, snapshot):
+                held.append(name)
+        return rpb.PrefixHeld(names=held)
+
+    def tier_expected(self, shard: Shard, key: bytes, length: int) -> Expected:
+        """What a snapshot of the prefix ``key`` of ``length`` tokens is on this peer's shard."""
+        kv_heads, head_dim = shard.adapter.kv_heads_and_dim(shard.config)
+        return Expected(key=key, model_id=self.info.model_id, compat_key=self.info.compat_key,
+                        numerics=shard.numerics.name, range_start=shard.spec.start, range_end=shard.spec.end,
+                        length=length, kv_heads=kv_heads, head_dim=head_dim, dtype=shard.spec.dtype)
+
+    def encoded_for_tier(self, key: bytes, identity: Identity) -> Encoded | None:
+        """The kept prefix ``key`` as the KV tier takes it (None once it is no longer kept)."""
+        shard = self.host.shard
+        snapshot = shard.kv.prefixes.peek(key) if shard is not None else None
+        if shard is None or snapshot is None:
+            return None
+        return encode_snapshot(snapshot, self.tier_expected(shard, key, snapshot.length), identity)

@@ -36,6 +36,7 @@ from meshd.runtime.kv import KVManager, SessionKey, SessionKV
 from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import DTYPES, INT8, Numerics, default_numerics
+from meshd.runtime.prefix_kv import DEFAULT_PREFIX_BYTES, PrefixSnapshot, scoped_name
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 
@@ -127,6 +128,7 @@ class Shard:
         manifest: Manifest | None = None,
         max_chunk_tokens: int = 512,
         kv_budget_bytes: int | None = None,
+        prefix_kv_bytes: int = DEFAULT_PREFIX_BYTES,
         session_ttl_s: float = 600.0,
         keep_logits: bool = False,
         clock: Callable[[], float] = time.monotonic,
@@ -160,7 +162,8 @@ class Shard:
         self._linears_see_the_step = not any(getattr(self.config, name, None) for name in EXPERT_COUNTS)
         self.max_chunk_tokens = max_chunk_tokens
         self.keep_logits = keep_logits
-        self.kv = KVManager(budget_bytes=kv_budget_bytes, ttl_s=session_ttl_s, clock=clock)
+        self.kv = KVManager(budget_bytes=kv_budget_bytes, ttl_s=session_ttl_s, clock=clock,
+                            prefix_bytes=prefix_kv_bytes)
         self._load(open_checkpoint(self.model_dir, manifest))
 
     # -- loading ---------------------------------------------------------------------------------
@@ -250,7 +253,10 @@ class Shard:
             return result
         x = self._check(bundle)
         key: SessionKey = (bundle.session_id, bundle.epoch)
-        if bundle.start_position == 0:
+        opened = bundle.start_position == 0 or bool(bundle.prefix)
+        if bundle.prefix:
+            session = self.kv.open(key, bundle.sampling or Sampling(), self._kept_prefix(bundle))
+        elif bundle.start_position == 0:
             if bundle.phase != Phase.PREFILL:
                 raise PositionMismatch("a session starts with a prefill bundle at position 0")
             session = self.kv.open(key, bundle.sampling or Sampling())
@@ -261,14 +267,26 @@ class Shard:
             result = self._compute_prefill(x, session, bundle)
         except BaseException:
             session.truncate(before)
-            if before == 0:
+            if opened:
                 self.kv.release(key)
             raise
         session.length = session.confirmed = before + bundle.token_count
         if key not in self.kv:  # released (client gone, hop leaving) while this step ran
             raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
         self.kv.commit(key)
+        if bundle.keep_prefix:
+            self.kv.keep_prefix(scoped_name(bundle.prefix_scope, bundle.keep_prefix), key)
         return result
+
+    def _kept_prefix(self, bundle: HiddenStateBundle) -> PrefixSnapshot:
+        """The kept prefix the first chunk of a session continues; a cache miss when it is not kept here."""
+        if bundle.phase != Phase.PREFILL:
+            raise PositionMismatch("only a prefill chunk continues a kept prefix")
+        snapshot = self.kv.prefixes.get(scoped_name(bundle.prefix_scope, bundle.prefix), bundle.start_position)
+        if snapshot is None:
+            raise CacheMiss(bundle.session_id, bundle.epoch,
+                            f"the prefix of {bundle.start_position} tokens it continues is not kept here")
+        return snapshot
 
     def forward_batch(self, bundles: Sequence[HiddenStateBundle]) -> list[StepResult | Exception]:
         """Run decode steps of one or more sessions as one decode step.

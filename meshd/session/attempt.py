@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from meshd.errors import ErrorCode, RemoteError
-from meshd.runtime.chain import input_bundles
+from meshd.runtime.chain import input_bundles, prefill_bundles
 from meshd.session.drafting import Drafter, DraftLength, DraftStats
+from meshd.session.prefixes import KnownPrefix, PromptPrefixes, chunk_spans
 from meshd.tracker.view import Route
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Sampling
@@ -50,6 +51,8 @@ class SessionPlan:
     unchanged_prefix: int = 0   # repair: leading hops shared with epoch resume_from_epoch
     resume_from_epoch: int = 0
     speculation: Speculation | None = None  # None: one token per step
+    prefixes: PromptPrefixes | None = None  # where the prompt's prefill is cut, and which prefixes hops keep
+    known_prefixes: Sequence[KnownPrefix] = ()  # kept prefixes of the prompt to ask the route's hops about
 
 
 @dataclass
@@ -133,10 +136,15 @@ EntryAction = SendToHead | Emit | Draft
 
 
 class EntryAttempt:
-    def __init__(self, plan: SessionPlan, entry_peer_id: str, now: float) -> None:
+    def __init__(self, plan: SessionPlan, entry_peer_id: str, now: float, prefix: KnownPrefix | None = None) -> None:
+        """``prefix``: a kept prefix of the prompt that every hop of the route holds; the prefill starts
+        after it."""
         if plan.max_new_tokens < 1:
             raise ValueError("an attempt generates at least one token")
+        if prefix is not None and not 0 < prefix.position < len(plan.prompt):
+            raise ValueError("a kept prefix leaves at least one prompt token to compute")
         self.plan = plan
+        self.prefix = prefix
         self.entry_peer_id = entry_peer_id
         self.hops = [pb.HopAddress(peer_id=h.peer_id, address=plan.addresses[h.peer_id], range_start=h.start,
                                    range_end=h.end) for h in plan.route.hops]
@@ -178,7 +186,7 @@ class EntryAttempt:
         if not self.results_ready:
             raise SessionFailed(ErrorCode.PROTOCOL, "the prompt goes out only once the results stream is ready")
         self._last_progress = self.step_sent = now
-        return [SendToHead(b) for b in self._bundles(list(self.plan.prompt), 0, step=0)]
+        return [SendToHead(b) for b in self._prefill()]
 
     def on_results_open(self, message: pb.SeamMessage, now: float) -> None:
         """The tail's first answer on the results stream: ready, or why not."""
@@ -267,6 +275,17 @@ class EntryAttempt:
             spec.stats.steps += 1
             spec.stats.drafted += len(self.draft)
             spec.stats.accepted += accepted
+
+    def _prefill(self) -> list[HiddenStateBundle]:
+        """The prompt's prefill chunks, cut where every prefill of it is cut, from the kept prefix on."""
+        plan, prefixes = self.plan, self.plan.prefixes
+        start = self.prefix.position if self.prefix is not None else 0
+        n = len(plan.prompt)
+        spans = prefixes.spans(start, n) if prefixes is not None else chunk_spans(start, n, (), plan.chunk_tokens)
+        keep = {p: prefixes.names[p] for p in prefixes.keep} if prefixes is not None else {}
+        return prefill_bundles(plan.session_id, plan.route.epoch, plan.prompt, spans,
+                               (self.head.range_start, self.head.range_end), plan.sampling,
+                               prefix=self.prefix.name if self.prefix is not None else b"", keep=keep)
 
     def _bundles(self, tokens: list[int], position: int, step: int,
                  draft: Sequence[int] = ()) -> list[HiddenStateBundle]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,6 +24,8 @@ import trio
 from meshd.errors import ErrorCode, MeshError
 from meshd.logs import bind_log_context, route_id
 from meshd.metrics import PeerMetrics
+from meshd.rpc import RpcFailed, call
+from meshd.runtime.prefix_kv import MAX_PROBED_PREFIXES
 from meshd.session import messages as m
 from meshd.session.attempt import (
     AttemptEvent,
@@ -41,18 +44,21 @@ from meshd.session.attempt import (
     StreamEnded,
 )
 from meshd.session.drafting import Drafter, DraftLength, DraftModel, DraftStats, LookupThenModel, NgramDrafter
+from meshd.session.prefixes import KnownPrefix, PrefixMap, PromptPrefixes, entry_key, plan_prefixes
 from meshd.session.repair import RepairConfig, RepairPolicy
 from meshd.tracker.routing import NoRouteError
 from meshd.tracker.view import Route
 from meshd.transport.errors import TransportError
 from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import bundle as wire
+from meshd.wire import rpc_pb2 as rpb
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.session")
 
 HEALTH_INTERVAL_S = 0.2  # how often an attempt checks gossip's verdict on its hops
+PREFIX_PROBE_TIMEOUT_S = 10.0  # a hop may import a prefix from the KV tier before it answers
 STATS_WINDOW = 20000
 
 
@@ -93,9 +99,14 @@ class RouteSource(Protocol):
 
 
 async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPlan,
-                      alive: Callable[[str], bool] | None, out: trio.MemorySendChannel[GeneratedToken]) -> None:
-    """Drive one attempt; send each token to ``out``, then close it. Raises ``SessionFailed``."""
-    attempt = EntryAttempt(plan, entry_peer_id, trio.current_time())
+                      alive: Callable[[str], bool] | None, out: trio.MemorySendChannel[GeneratedToken],
+                      on_prefix: Callable[[KnownPrefix | None], None] | None = None) -> None:
+    """Drive one attempt; send each token to ``out``, then close it. Raises ``SessionFailed``.
+    ``on_prefix`` is told which kept prefix the prefill starts after, when the plan knows any."""
+    prefix = await held_prefix(opener, entry_peer_id, plan) if plan.known_prefixes else None
+    if on_prefix is not None and plan.known_prefixes:
+        on_prefix(prefix)
+    attempt = EntryAttempt(plan, entry_peer_id, trio.current_time(), prefix)
     results: MessageStream | None = None
     head: MessageStream | None = None
     async with out:
@@ -139,6 +150,35 @@ async def run_attempt(opener: StreamOpener, entry_peer_id: str, plan: SessionPla
                 await m.finish_stream(head, m.CLOSE)
             if results is not None:
                 await m.finish_stream(results)
+
+
+async def held_prefix(opener: StreamOpener, entry_peer_id: str, plan: SessionPlan) -> KnownPrefix | None:
+    """The longest of the plan's known prefixes that every hop of its route still holds, asked of all
+    hops at once; None when any hop holds none of them, or does not answer in time (the session then
+    prefills everything: a prefix only ever saves work)."""
+    hops = plan.route.hops
+    held: list[set[bytes]] = [set() for _ in hops]
+    candidates = list(plan.known_prefixes)[:MAX_PROBED_PREFIXES]
+
+    async def ask(i: int) -> None:
+        upstream = hops[i - 1].peer_id if i else entry_peer_id
+        request = rpb.PeerRequest(prefix_probe=rpb.PrefixProbe(
+            model_id=plan.route.model_id, compat_key=plan.route.compat_key, upstream_peer_id=upstream,
+            names=[k.name for k in candidates], lengths=[k.position for k in candidates]))
+        try:
+            reply = await call(opener, hops[i].peer_id, plan.addresses[hops[i].peer_id], request,
+                               timeout=PREFIX_PROBE_TIMEOUT_S)
+        except RpcFailed as exc:
+            log.info("session %s: %s did not say which prefixes it holds (%s)", plan.session_id[:12],
+                     hops[i].peer_id[:12], exc)
+            return
+        if reply.WhichOneof("body") == "prefix_held":
+            held[i] = set(reply.prefix_held.names)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(hops)):
+            nursery.start_soon(ask, i)
+    return next((k for k in candidates if all(k.name in names for names in held)), None)
 
 
 async def _perform(attempt: EntryAttempt, actions: Sequence[SendToHead | Emit | Draft], head: MessageStream,
@@ -240,6 +280,7 @@ class Generation:
     sampling: Sampling
     stop_token_ids: frozenset[int]  # tokens that end the reply
     speculation: Speculation | None = None  # how the entry guesses ahead; None: a token per step
+    prefixes: PromptPrefixes | None = None  # the prompt's prefill cuts and kept prefixes (None: no reuse)
 
 
 @dataclass
@@ -251,6 +292,8 @@ class EntryConfig:
     speculative: str = "off"  # one of meshd.session.drafting.SPECULATIVE_MODES
     max_draft_tokens: int = 8
     draft_model: DraftModel | None = None
+    prefix_reuse: bool = True   # prompts start from prefixes the route's hops kept of earlier ones
+    prefix_secret: bytes = b""  # what this entry's prefix names are keyed with (empty: a fresh one per run)
 
 
 @dataclass
@@ -296,6 +339,34 @@ class EntrySessions:
         self.repair_ms: dict[str, deque[float]] = {}  # by the lost hop's position in the route
         self.drafts: dict[str, DraftStats] = {}  # by draft source, over every generation here
         self._mismatched: set[str] = set()  # models whose tokenizer the draft model does not share
+        self.prefix_map = PrefixMap()
+        self._prefix_secret = config.prefix_secret or secrets.token_bytes(32)
+        self.prefix_stats = {"asked": 0, "reused": 0, "reused_tokens": 0}  # over every attempt that knew a prefix
+
+    def prompt_prefixes(self, prompt: Sequence[int], boundaries: Sequence[int], compat_key: str,
+                        chat: bool) -> PromptPrefixes:
+        """How ``prompt`` is prefilled (message ends ``boundaries``): its cuts and prefixes, keyed for the
+        model of ``compat_key``. The cuts are the same whether this entry reuses prefixes or not, so that
+        a reply is bit for bit the same either way; without reuse no hop is asked to keep any."""
+        cfg = self.config
+        plan = plan_prefixes(prompt, boundaries, cfg.chunk_tokens, entry_key(self._prefix_secret, compat_key),
+                             messages=chat)
+        return plan if cfg.prefix_reuse else replace(plan, keep=frozenset())
+
+    async def route_for_prefix(self, gen: Generation, first: PlannedRoute) -> PlannedRoute:
+        """The route for ``gen``: ``first``, or, when the hops asked to keep the prompt's longest known
+        prefix are not all on it, the best route favouring them (the planner weighs their discount
+        against the rest of the route's cost)."""
+        known = self.prefix_map.known(gen.prefixes) if gen.prefixes is not None and self.config.prefix_reuse else []
+        if not known:
+            return first
+        holders = frozenset(peer for peer, _s, _e in known[0].holders)
+        if holders <= {h.peer_id for h in first.route.hops}:
+            return first
+        try:
+            return await self.routes.route_for(gen.model_id, keep=holders, compat_key=first.route.compat_key)
+        except NoRouteError:
+            return first
 
     def speculation(self, model_id: str, tokenizer: object) -> Speculation | None:
         """How a generation of ``model_id`` (whose tokenizer is ``tokenizer``) guesses ahead, as the
@@ -357,13 +428,21 @@ class EntrySessions:
                 step_timeout_s=cfg.step_timeout_s, unchanged_prefix=unchanged, resume_from_epoch=resume_from,
                 # a route of this peer alone crosses no link: guesses there only cost compute
                 speculation=None if all(h.peer_id == self.peer_id for h in route.hops) else gen.speculation,
+                prefixes=gen.prefixes,
+                # a resumed route passes its kept KV on from position 0; it does not start from a prefix
+                known_prefixes=self.prefix_map.known(gen.prefixes)
+                if gen.prefixes is not None and cfg.prefix_reuse and not unchanged else (),
             )
             send, receive = trio.open_memory_channel[GeneratedToken](math.inf)
             outcome = _Outcome()
             scope = await self.nursery.start(self._attempt_task, plan, send, outcome, deadline)
+            prefilled = False
             try:
                 async with receive:
                     async for token in receive:
+                        if not prefilled:  # the route's hops have kept the prompt's prefixes by now
+                            prefilled = True
+                            self._kept_prefixes(plan)
                         repaired = policy.on_token(trio.current_time())
                         if repaired is not None:
                             took_ms, position = repaired
@@ -398,6 +477,18 @@ class EntrySessions:
                      route.describe(), len(generated), policy.cause, extra=_ids(gen.session_id, route))
             planned = None
 
+    def _count_prefix(self, prefix: KnownPrefix | None) -> None:
+        self.prefix_stats["asked"] += 1
+        if prefix is not None:
+            self.prefix_stats["reused"] += 1
+            self.prefix_stats["reused_tokens"] += prefix.position
+
+    def _kept_prefixes(self, plan: SessionPlan) -> None:
+        if plan.prefixes is None:
+            return
+        holders = tuple((h.peer_id, h.start, h.end) for h in plan.route.hops)
+        self.prefix_map.kept([plan.prefixes.names[p] for p in plan.prefixes.keep], holders)
+
     async def _plan(self, gen: Generation, policy: RepairPolicy, generated: int, deadline: float,
                     compat_key: str) -> PlannedRoute:
         """The next route of ``compat_key``, waiting (with the policy's backoff) while none covers the model."""
@@ -424,7 +515,7 @@ class EntrySessions:
             with trio.CancelScope(deadline=deadline) as scope:
                 task_status.started(scope)
                 try:
-                    await run_attempt(self.opener, self.peer_id, plan, self.routes.is_alive, send)
+                    await run_attempt(self.opener, self.peer_id, plan, self.routes.is_alive, send, self._count_prefix)
                 except SessionFailed as exc:
                     log.warning("session %s failed: %s", plan.session_id, exc)
                     outcome.failure = exc

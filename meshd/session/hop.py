@@ -25,6 +25,7 @@ from meshd.metrics import PeerMetrics
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import SessionKey
 from meshd.runtime.model_info import ModelInfo
+from meshd.runtime.prefix_kv import scoped_name
 from meshd.session import messages as m
 from meshd.session.hop_state import (
     AdmissionLimits,
@@ -153,6 +154,7 @@ class HopService:
         self._links: dict[str, CompressionPolicy] = {}  # per next hop's peer id
         self._sinks: dict[SessionKey, MessageStream] = {}
         self._sink_ready: dict[SessionKey, trio.Event] = {}
+        self.on_kept: Callable[[bytes], None] | None = None  # told the store key of each prefix this hop keeps
 
     # -- what this hop holds --------------------------------------------------------------------
 
@@ -265,7 +267,7 @@ class HopService:
                      me.range_end, open_.hop_index + 1, len(open_.hops))
             resumed, released = self.book.resume(open_, self._resume_kv, self.clock())
             self._release(released)
-            session = HopSession(self.book, open_, resumed)
+            session = HopSession(self.book, open_, resumed, upstream_peer_id=stream.peer_id)
             forwarded = session.downstream_open()
             if forwarded is not None:
                 nxt = forwarded.hops[forwarded.hop_index]
@@ -334,6 +336,8 @@ class HopService:
             if isinstance(action, Compute):
                 assert self.host is not None
                 result = await self.host.forward(action.bundle)
+                if action.bundle.keep_prefix and self.on_kept is not None:
+                    self.on_kept(scoped_name(action.bundle.prefix_scope, action.bundle.keep_prefix))
                 if action.bundle.phase == Phase.DECODE:
                     self.stats.compute_ms.append(result.compute_ms)
                     self.stats.queue_ms.append(result.queue_ms)

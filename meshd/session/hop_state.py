@@ -25,6 +25,7 @@ import torch
 from meshd.errors import BundleError, ErrorCode, MeshError, RangeMismatch
 from meshd.limits import KeyedRates, remember
 from meshd.runtime.kv import SessionKey
+from meshd.runtime.prefix_kv import prefix_scope
 from meshd.runtime.shard import HIDDEN_STATES, StepResult
 from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -323,9 +324,12 @@ class HopBook:
 class HopSession:
     """One ``(session, epoch)`` on this hop: what to do with each bundle that arrives and each result."""
 
-    def __init__(self, book: HopBook, open_: pb.SessionOpen, resumed: int) -> None:
+    def __init__(self, book: HopBook, open_: pb.SessionOpen, resumed: int, upstream_peer_id: str = "") -> None:
+        """``upstream_peer_id``: who sends this seam's bundles (the entry, for the head); prefix names
+        are scoped by it and the entry (:func:`meshd.runtime.prefix_kv.prefix_scope`)."""
         self.book = book
         self.open = open_
+        self.prefix_scope = prefix_scope(open_.entry_peer_id, upstream_peer_id)
         self.key: SessionKey = (open_.session_id, open_.epoch)
         self.resumed = resumed
         self.is_tail = open_.hop_index == len(open_.hops) - 1
@@ -346,6 +350,7 @@ class HopSession:
         """A bundle arrived from upstream: pass on what the previous epoch computed, compute the rest."""
         if (bundle.session_id, bundle.epoch) != self.key:
             raise BundleError("bundle belongs to another session than its stream")
+        bundle.prefix_scope = self.prefix_scope
         actions: list[HopAction] = []
         cache = self.book.outputs(self.key)
         if bundle.phase == Phase.DECODE and cache is not None and bundle.start_position < cache.length:

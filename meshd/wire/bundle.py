@@ -47,6 +47,7 @@ _WIRE_DTYPE = {torch_dtype: code for code, (torch_dtype, _) in _DTYPES.items()}
 
 MAX_TOP_LOGPROBS = 20
 MAX_DRAFT_TOKENS = 15  # drafted tokens one decode step may verify (16 positions with its first)
+MAX_PREFIX_NAME_BYTES = 64  # a kept prefix's name: the entry's keyed hash of it
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,11 @@ class HiddenStateBundle:
     sent_at_ns: int = 0
     version: int = field(default=SCHEMA_VERSION)
     draft: tuple[int, ...] = ()  # decode: the drafted tokens after the first, which the tail verifies
+    prefix: bytes = b""          # the session's first chunk continues the kept prefix of this name
+    keep_prefix: bytes = b""     # keep the KV after this chunk as the prefix of this name
+    # Not on the wire: set by the hop that received the bundle, so that prefix names of different
+    # entries (and upstream peers) never meet in its store (meshd.session.hop_state).
+    prefix_scope: bytes = b""
 
     @property
     def end_position(self) -> int:
@@ -91,7 +97,8 @@ class HiddenStateBundle:
         """Positions ``[start, end)`` of this bundle: its own tensors sliced, or ``tensors`` in their place.
 
         The one rule for splitting a bundle: only the part that ends where the bundle ends asks the tail
-        to sample, and only a part that starts the session carries the sampling settings.
+        to sample (and keeps a prefix), and only the part that starts where it starts carries the
+        sampling settings and the prefix it continues.
         """
         if not self.start_position <= start < end <= self.end_position:
             raise ValueError(f"[{start}, {end}) is not inside [{self.start_position}, {self.end_position})")
@@ -104,8 +111,9 @@ class HiddenStateBundle:
             session_id=self.session_id, epoch=self.epoch, phase=self.phase, start_position=start,
             token_count=end - start, tensors=tensors, range_start=self.range_start, range_end=self.range_end,
             step=self.step, sample=self.sample and end == self.end_position,
-            sampling=self.sampling if start == 0 else None, sent_at_ns=self.sent_at_ns, version=self.version,
-            draft=self.draft,
+            sampling=self.sampling if start == self.start_position else None, sent_at_ns=self.sent_at_ns,
+            version=self.version, draft=self.draft, prefix=self.prefix if start == self.start_position else b"",
+            keep_prefix=self.keep_prefix if end == self.end_position else b"", prefix_scope=self.prefix_scope,
         )
 
     def chunks(self, max_tokens: int) -> list[HiddenStateBundle]:
@@ -134,6 +142,8 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
         sample=bundle.sample,
         sent_at_ns=bundle.sent_at_ns,
         draft=list(bundle.draft),
+        prefix=bundle.prefix,
+        keep_prefix=bundle.keep_prefix,
     )
     if bundle.sampling is not None:
         s = bundle.sampling
@@ -185,6 +195,12 @@ def decode(data: bytes) -> HiddenStateBundle:
         raise BundleError("drafted tokens are verified only by a step the tail samples")
     if msg.range_end <= msg.range_start:
         raise BundleError(f"empty layer range [{msg.range_start}, {msg.range_end})")
+    if (msg.prefix or msg.keep_prefix) and msg.phase != pb.PREFILL:
+        raise BundleError("only prefill chunks continue or keep a prefix")
+    if max(len(msg.prefix), len(msg.keep_prefix)) > MAX_PREFIX_NAME_BYTES:
+        raise BundleError(f"a prefix name is at most {MAX_PREFIX_NAME_BYTES} bytes")
+    if msg.prefix and msg.start_position == 0:
+        raise BundleError("a chunk that continues a prefix starts after it, not at position 0")
     if len(msg.tensors) > MAX_TENSORS:
         raise BundleError(f"bundle has {len(msg.tensors)} tensors (limit {MAX_TENSORS})")
     tensors: dict[str, torch.Tensor] = {}
@@ -218,6 +234,8 @@ def decode(data: bytes) -> HiddenStateBundle:
         sent_at_ns=msg.sent_at_ns,
         version=msg.version,
         draft=tuple(int(t) for t in msg.draft),
+        prefix=msg.prefix,
+        keep_prefix=msg.keep_prefix,
     )
 
 

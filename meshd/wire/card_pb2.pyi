@@ -85,7 +85,7 @@ class LinkMeasure(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., rtt_us: _Optional[int] = ..., rate_bps: _Optional[int] = ...) -> None: ...
 
 class CapabilityCard(_message.Message):
-    __slots__ = ("peer_id", "public_key", "name", "sequence", "issued_at_ms", "expires_at_ms", "addresses", "relay_addresses", "api_address", "hardware", "models", "load", "kv_free_bytes", "tracker_eligible", "software_version", "memory_budget_bytes", "membership", "links")
+    __slots__ = ("peer_id", "public_key", "name", "sequence", "issued_at_ms", "expires_at_ms", "addresses", "relay_addresses", "api_address", "hardware", "models", "load", "kv_free_bytes", "tracker_eligible", "software_version", "memory_budget_bytes", "membership", "links", "kv_tier_bytes")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class CapabilityCard(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     name: str
@@ -122,7 +123,8 @@ class CapabilityCard(_message.Message):
     memory_budget_bytes: int
     membership: _admission_pb2.SignedMembership
     links: _containers.RepeatedCompositeFieldContainer[LinkMeasure]
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., name: _Optional[str] = ..., sequence: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., relay_addresses: _Optional[_Iterable[str]] = ..., api_address: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServed, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., kv_free_bytes: _Optional[int] = ..., tracker_eligible: _Optional[bool] = ..., software_version: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., membership: _Optional[_Union[_admission_pb2.SignedMembership, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasure, _Mapping]]] = ...) -> None: ...
+    kv_tier_bytes: int
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., name: _Optional[str] = ..., sequence: _Optional[int] = ..., issued_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., relay_addresses: _Optional[_Iterable[str]] = ..., api_address: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelServed, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., kv_free_bytes: _Optional[int] = ..., tracker_eligible: _Optional[bool] = ..., software_version: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., membership: _Optional[_Union[_admission_pb2.SignedMembership, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasure, _Mapping]]] = ..., kv_tier_bytes: _Optional[int] = ...) -> None: ...
 
 class SignedCard(_message.Message):
     __slots__ = ("card", "signature")

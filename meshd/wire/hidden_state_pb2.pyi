@@ -69,7 +69,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class HiddenStateBundle(_message.Message):
-    __slots__ = ("version", "session_id", "epoch", "step", "phase", "start_position", "token_count", "tensors", "range_start", "range_end", "sample", "sampling", "sent_at_ns", "draft")
+    __slots__ = ("version", "session_id", "epoch", "step", "phase", "start_position", "token_count", "tensors", "range_start", "range_end", "sample", "sampling", "sent_at_ns", "draft", "prefix", "keep_prefix")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class HiddenStateBundle(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_NS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     version: int
     session_id: str
     epoch: int
@@ -98,4 +100,6 @@ class HiddenStateBundle(_message.Message):
     sampling: Sampling
     sent_at_ns: int
     draft: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., start_position: _Optional[int] = ..., token_count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., sent_at_ns: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix: bytes
+    keep_prefix: bytes
+    def __init__(self, version: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., start_position: _Optional[int] = ..., token_count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., sent_at_ns: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ..., prefix: _Optional[bytes] = ..., keep_prefix: _Optional[bytes] = ...) -> None: ...

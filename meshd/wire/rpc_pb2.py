@@ -24,9 +24,11 @@ _sym_db = _symbol_database.Default()
 
 from meshd.wire import admission_pb2 as admission__pb2
 from meshd.wire import card_pb2 as card__pb2
+from meshd.wire import kv_tier_pb2 as kv__tier__pb2
+from meshd.wire import trace_pb2 as trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\trpc.proto\x12\nmeshd.wire\x1a\x0f\x61\x64mission.proto\x1a\ncard.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"b\n\x0cRouteRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x02 \x03(\t\x12\x0c\n\x04keep\x18\x03 \x03(\t\x12\r\n\x05\x61void\x18\x04 \x03(\t\x12\x12\n\ncompat_key\x18\x05 \x01(\t\"\xc6\x01\n\x08LinkCost\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12\x0f\n\x07to_peer\x18\x02 \x01(\t\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x10\n\x08rate_bps\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x12\n\nlatency_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x14\n\x0crtt_measured\x18\x08 \x01(\x08\x12\x15\n\rrate_measured\x18\t \x01(\x08\x12\x0f\n\x07relayed\x18\n \x01(\x08\"\xa9\x01\n\x08RouteHop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seam_ms\x18\x05 \x01(\x01\x12\x0e\n\x06hop_ms\x18\x06 \x01(\x01\x12\x13\n\x0bload_factor\x18\x07 \x01(\x01\x12&\n\x08\x63rossing\x18\x08 \x01(\x0b\x32\x14.meshd.wire.LinkCost\"\xa9\x01\n\nRouteReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12\"\n\x04hops\x18\x05 \x03(\x0b\x32\x14.meshd.wire.RouteHop\x12\r\n\x05\x65ntry\x18\x06 \x01(\t\x12\"\n\x04\x62\x61\x63k\x18\x07 \x01(\x0b\x32\x14.meshd.wire.LinkCost\"D\n\x07NoRoute\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\'\n\x07missing\x18\x02 \x03(\x0b\x32\x16.meshd.wire.LayerRange\"]\n\x0ePlacementOrder\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12%\n\x05range\x18\x03 \x01(\x0b\x32\x16.meshd.wire.LayerRange\"\n\n\x08\x41\x63\x63\x65pted\"9\n\x11ModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"\xac\x01\n\nModelFiles\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.meshd.wire.ModelFiles.FilesEntry\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\x12\x10\n\x08numerics\x18\x04 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x0fManifestRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"Z\n\x0cTensorRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x03(\x0c\"<\n\x0fWeightsManifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.meshd.wire.TensorRecord\"A\n\x0c\x43hunkRequest\x12\x12\n\ncompat_key\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x0f\x44ialbackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\rDialbackReply\x12\x10\n\x08\x64ialable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x08RpcError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"A\n\nSpeedCheck\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\r\"\x1d\n\x0cSpeedChecked\x12\r\n\x05steps\x18\x01 \x01(\r\"\xb9\x03\n\x0bPeerRequest\x12+\n\x06gossip\x18\x01 \x01(\x0b\x32\x19.meshd.wire.GossipMessageH\x00\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.meshd.wire.RouteRequestH\x00\x12/\n\tplacement\x18\x03 \x01(\x0b\x32\x1a.meshd.wire.PlacementOrderH\x00\x12\x34\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x1d.meshd.wire.ModelFilesRequestH\x00\x12/\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x1b.meshd.wire.DialbackRequestH\x00\x12/\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.meshd.wire.ManifestRequestH\x00\x12)\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x18.meshd.wire.ChunkRequestH\x00\x12\'\n\x04join\x18\x08 \x01(\x0b\x32\x17.meshd.wire.JoinRequestH\x00\x12-\n\x0bspeed_check\x18\t \x01(\x0b\x32\x16.meshd.wire.SpeedCheckH\x00\x42\x06\n\x04\x62ody\"\xcb\x03\n\tPeerReply\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.meshd.wire.AcceptedH\x00\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.meshd.wire.RouteReplyH\x00\x12\'\n\x08no_route\x18\x03 \x01(\x0b\x32\x13.meshd.wire.NoRouteH\x00\x12-\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x16.meshd.wire.ModelFilesH\x00\x12-\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x19.meshd.wire.DialbackReplyH\x00\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.meshd.wire.RpcErrorH\x00\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1b.meshd.wire.WeightsManifestH\x00\x12(\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x17.meshd.wire.TensorChunkH\x00\x12\'\n\x06joined\x18\t \x01(\x0b\x32\x15.meshd.wire.JoinReplyH\x00\x12\x31\n\rspeed_checked\x18\n \x01(\x0b\x32\x18.meshd.wire.SpeedCheckedH\x00\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\trpc.proto\x12\nmeshd.wire\x1a\x0f\x61\x64mission.proto\x1a\ncard.proto\x1a\rkv_tier.proto\x1a\x0btrace.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"b\n\x0cRouteRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x02 \x03(\t\x12\x0c\n\x04keep\x18\x03 \x03(\t\x12\r\n\x05\x61void\x18\x04 \x03(\t\x12\x12\n\ncompat_key\x18\x05 \x01(\t\"\xc6\x01\n\x08LinkCost\x12\x11\n\tfrom_peer\x18\x01 \x01(\t\x12\x0f\n\x07to_peer\x18\x02 \x01(\t\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x10\n\x08rate_bps\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x12\n\nlatency_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x14\n\x0crtt_measured\x18\x08 \x01(\x08\x12\x15\n\rrate_measured\x18\t \x01(\x08\x12\x0f\n\x07relayed\x18\n \x01(\x08\"\xa9\x01\n\x08RouteHop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seam_ms\x18\x05 \x01(\x01\x12\x0e\n\x06hop_ms\x18\x06 \x01(\x01\x12\x13\n\x0bload_factor\x18\x07 \x01(\x01\x12&\n\x08\x63rossing\x18\x08 \x01(\x0b\x32\x14.meshd.wire.LinkCost\"\xa9\x01\n\nRouteReply\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12\"\n\x04hops\x18\x05 \x03(\x0b\x32\x14.meshd.wire.RouteHop\x12\r\n\x05\x65ntry\x18\x06 \x01(\t\x12\"\n\x04\x62\x61\x63k\x18\x07 \x01(\x0b\x32\x14.meshd.wire.LinkCost\"D\n\x07NoRoute\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\'\n\x07missing\x18\x02 \x03(\x0b\x32\x16.meshd.wire.LayerRange\"]\n\x0ePlacementOrder\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12%\n\x05range\x18\x03 \x01(\x0b\x32\x16.meshd.wire.LayerRange\"\n\n\x08\x41\x63\x63\x65pted\"9\n\x11ModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"\xac\x01\n\nModelFiles\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.meshd.wire.ModelFiles.FilesEntry\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\x12\x10\n\x08numerics\x18\x04 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x0fManifestRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\"Z\n\x0cTensorRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x03(\x0c\"<\n\x0fWeightsManifest\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.meshd.wire.TensorRecord\"A\n\x0c\x43hunkRequest\x12\x12\n\ncompat_key\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x0f\x44ialbackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"0\n\rDialbackReply\x12\x10\n\x08\x64ialable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x08RpcError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"A\n\nSpeedCheck\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\r\"\x1d\n\x0cSpeedChecked\x12\r\n\x05steps\x18\x01 \x01(\r\"m\n\x0bPrefixProbe\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\ncompat_key\x18\x02 \x01(\t\x12\x18\n\x10upstream_peer_id\x18\x03 \x01(\t\x12\r\n\x05names\x18\x04 \x03(\x0c\x12\x0f\n\x07lengths\x18\x05 \x03(\r\"\x1b\n\nPrefixHeld\x12\r\n\x05names\x18\x01 \x03(\x0c\"\xdf\x04\n\x0bPeerRequest\x12+\n\x06gossip\x18\x01 \x01(\x0b\x32\x19.meshd.wire.GossipMessageH\x00\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.meshd.wire.RouteRequestH\x00\x12/\n\tplacement\x18\x03 \x01(\x0b\x32\x1a.meshd.wire.PlacementOrderH\x00\x12\x34\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x1d.meshd.wire.ModelFilesRequestH\x00\x12/\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x1b.meshd.wire.DialbackRequestH\x00\x12/\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.meshd.wire.ManifestRequestH\x00\x12)\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x18.meshd.wire.ChunkRequestH\x00\x12\'\n\x04join\x18\x08 \x01(\x0b\x32\x17.meshd.wire.JoinRequestH\x00\x12-\n\x0bspeed_check\x18\t \x01(\x0b\x32\x16.meshd.wire.SpeedCheckH\x00\x12/\n\x0cprefix_probe\x18\n \x01(\x0b\x32\x17.meshd.wire.PrefixProbeH\x00\x12#\n\x06kv_put\x18\x0b \x01(\x0b\x32\x11.meshd.wire.KVPutH\x00\x12#\n\x06kv_get\x18\x0c \x01(\x0b\x32\x11.meshd.wire.KVGetH\x00\x12)\n\x05trace\x18\x14 \x01(\x0b\x32\x18.meshd.wire.TraceRequestH\x00\x42\x06\n\x04\x62ody\"\xfa\x04\n\tPeerReply\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.meshd.wire.AcceptedH\x00\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.meshd.wire.RouteReplyH\x00\x12\'\n\x08no_route\x18\x03 \x01(\x0b\x32\x13.meshd.wire.NoRouteH\x00\x12-\n\x0bmodel_files\x18\x04 \x01(\x0b\x32\x16.meshd.wire.ModelFilesH\x00\x12-\n\x08\x64ialback\x18\x05 \x01(\x0b\x32\x19.meshd.wire.DialbackReplyH\x00\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.meshd.wire.RpcErrorH\x00\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1b.meshd.wire.WeightsManifestH\x00\x12(\n\x05\x63hunk\x18\x08 \x01(\x0b\x32\x17.meshd.wire.TensorChunkH\x00\x12\'\n\x06joined\x18\t \x01(\x0b\x32\x15.meshd.wire.JoinReplyH\x00\x12\x31\n\rspeed_checked\x18\n \x01(\x0b\x32\x18.meshd.wire.SpeedCheckedH\x00\x12-\n\x0bprefix_held\x18\x0b \x01(\x0b\x32\x16.meshd.wire.PrefixHeldH\x00\x12\'\n\x08kv_chunk\x18\x0c \x01(\x0b\x32\x13.meshd.wire.KVChunkH\x00\x12+\n\nkv_missing\x18\r \x01(\x0b\x32\x15.meshd.wire.KVMissingH\x00\x12(\n\x06traced\x18\x14 \x01(\x0b\x32\x16.meshd.wire.TraceReplyH\x00\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,50 +37,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELFILES_FILESENTRY']._loaded_options = None
   _globals['_MODELFILES_FILESENTRY']._serialized_options = b'8\001'
-  _globals['_LAYERRANGE']._serialized_start=54
-  _globals['_LAYERRANGE']._serialized_end=94
-  _globals['_ROUTEREQUEST']._serialized_start=96
-  _globals['_ROUTEREQUEST']._serialized_end=194
-  _globals['_LINKCOST']._serialized_start=197
-  _globals['_LINKCOST']._serialized_end=395
-  _globals['_ROUTEHOP']._serialized_start=398
-  _globals['_ROUTEHOP']._serialized_end=567
-  _globals['_ROUTEREPLY']._serialized_start=570
-  _globals['_ROUTEREPLY']._serialized_end=739
-  _globals['_NOROUTE']._serialized_start=741
-  _globals['_NOROUTE']._serialized_end=809
-  _globals['_PLACEMENTORDER']._serialized_start=811
-  _globals['_PLACEMENTORDER']._serialized_end=904
-  _globals['_ACCEPTED']._serialized_start=906
-  _globals['_ACCEPTED']._serialized_end=916
-  _globals['_MODELFILESREQUEST']._serialized_start=918
-  _globals['_MODELFILESREQUEST']._serialized_end=975
-  _globals['_MODELFILES']._serialized_start=978
-  _globals['_MODELFILES']._serialized_end=1150
-  _globals['_MODELFILES_FILESENTRY']._serialized_start=1106
-  _globals['_MODELFILES_FILESENTRY']._serialized_end=1150
-  _globals['_MANIFESTREQUEST']._serialized_start=1152
-  _globals['_MANIFESTREQUEST']._serialized_end=1207
-  _globals['_TENSORRECORD']._serialized_start=1209
-  _globals['_TENSORRECORD']._serialized_end=1299
-  _globals['_WEIGHTSMANIFEST']._serialized_start=1301
-  _globals['_WEIGHTSMANIFEST']._serialized_end=1361
-  _globals['_CHUNKREQUEST']._serialized_start=1363
-  _globals['_CHUNKREQUEST']._serialized_end=1428
-  _globals['_TENSORCHUNK']._serialized_start=1430
-  _globals['_TENSORCHUNK']._serialized_end=1457
-  _globals['_DIALBACKREQUEST']._serialized_start=1459
-  _globals['_DIALBACKREQUEST']._serialized_end=1493
-  _globals['_DIALBACKREPLY']._serialized_start=1495
-  _globals['_DIALBACKREPLY']._serialized_end=1543
-  _globals['_RPCERROR']._serialized_start=1545
-  _globals['_RPCERROR']._serialized_end=1586
-  _globals['_SPEEDCHECK']._serialized_start=1588
-  _globals['_SPEEDCHECK']._serialized_end=1653
-  _globals['_SPEEDCHECKED']._serialized_start=1655
-  _globals['_SPEEDCHECKED']._serialized_end=1684
-  _globals['_PEERREQUEST']._serialized_start=1687
-  _globals['_PEERREQUEST']._serialized_end=2128
-  _globals['_PEERREPLY']._serialized_start=2131
-  _globals['_PEERREPLY']._serialized_end=2590
+  _globals['_LAYERRANGE']._serialized_start=82
+  _globals['_LAYERRANGE']._serialized_end=122
+  _globals['_ROUTEREQUEST']._serialized_start=124
+  _globals['_ROUTEREQUEST']._serialized_end=222
+  _globals['_LINKCOST']._serialized_start=225
+  _globals['_LINKCOST']._serialized_end=423
+  _globals['_ROUTEHOP']._serialized_start=426
+  _globals['_ROUTEHOP']._serialized_end=595
+  _globals['_ROUTEREPLY']._serialized_start=598
+  _globals['_ROUTEREPLY']._serialized_end=767
+  _globals['_NOROUTE']._serialized_start=769
+  _globals['_NOROUTE']._serialized_end=837
+  _globals['_PLACEMENTORDER']._serialized_start=839
+  _globals['_PLACEMENTORDER']._serialized_end=932
+  _globals['_ACCEPTED']._serialized_start=934
+  _globals['_ACCEPTED']._serialized_end=944
+  _globals['_MODELFILESREQUEST']._serialized_start=946
+  _globals['_MODELFILESREQUEST']._serialized_end=1003
+  _globals['_MODELFILES']._serialized_start=1006
+  _globals['_MODELFILES']._serialized_end=1178
+  _globals['_MODELFILES_FILESENTRY']._serialized_start=1134
+  _globals['_MODELFILES_FILESENTRY']._serialized_end=1178
+  _globals['_MANIFESTREQUEST']._serialized_start=1180
+  _globals['_MANIFESTREQUEST']._serialized_end=1235
+  _globals['_TENSORRECORD']._serialized_start=1237
+  _globals['_TENSORRECORD']._serialized_end=1327
+  _globals['_WEIGHTSMANIFEST']._serialized_start=1329
+  _globals['_WEIGHTSMANIFEST']._serialized_end=1389
+  _globals['_CHUNKREQUEST']._serialized_start=1391
+  _globals['_CHUNKREQUEST']._serialized_end=1456
+  _globals['_TENSORCHUNK']._serialized_start=1458
+  _globals['_TENSORCHUNK']._serialized_end=1485
+  _globals['_DIALBACKREQUEST']._serialized_start=1487
+  _globals['_DIALBACKREQUEST']._serialized_end=1521
+  _globals['_DIALBACKREPLY']._serialized_start=1523
+  _globals['_DIALBACKREPLY']._serialized_end=1571
+  _globals['_RPCERROR']._serialized_start=1573
+  _globals['_RPCERROR']._serialized_end=1614
+  _globals['_SPEEDCHECK']._serialized_start=1616
+  _globals['_SPEEDCHECK']._serialized_end=1681
+  _globals['_SPEEDCHECKED']._serialized_start=1683
+  _globals['_SPEEDCHECKED']._serialized_end=1712
+  _globals['_PREFIXPROBE']._serialized_start=1714
+  _globals['_PREFIXPROBE']._serialized_end=1823
+  _globals['_PREFIXHELD']._serialized_start=1825
+  _globals['_PREFIXHELD']._serialized_end=1852
+  _globals['_PEERREQUEST']._serialized_start=1855
+  _globals['_PEERREQUEST']._serialized_end=2462
+  _globals['_PEERREPLY']._serialized_start=2465
+  _globals['_PEERREPLY']._serialized_end=3099
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,7 @@
 from meshd.wire import admission_pb2 as _admission_pb2
 from meshd.wire import card_pb2 as _card_pb2
+from meshd.wire import kv_tier_pb2 as _kv_tier_pb2
+from meshd.wire import trace_pb2 as _trace_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -223,8 +225,28 @@ class SpeedChecked(_message.Message):
     steps: int
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
+class PrefixProbe(_message.Message):
+    __slots__ = ("model_id", "compat_key", "upstream_peer_id", "names", "lengths")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    compat_key: str
+    upstream_peer_id: str
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., upstream_peer_id: _Optional[str] = ..., names: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixHeld(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, names: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class PeerRequest(_message.Message):
-    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk", "join", "speed_check")
+    __slots__ = ("gossip", "route", "placement", "model_files", "dialback", "manifest", "chunk", "join", "speed_check", "prefix_probe", "kv_put", "kv_get", "trace")
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +256,10 @@ class PeerRequest(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     SPEED_CHECK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PROBE_FIELD_NUMBER: _ClassVar[int]
+    KV_PUT_FIELD_NUMBER: _ClassVar[int]
+    KV_GET_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     gossip: _card_pb2.GossipMessage
     route: RouteRequest
     placement: PlacementOrder
@@ -243,10 +269,14 @@ class PeerRequest(_message.Message):
     chunk: ChunkRequest
     join: _admission_pb2.JoinRequest
     speed_check: SpeedCheck
-    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ..., speed_check: _Optional[_Union[SpeedCheck, _Mapping]] = ...) -> None: ...
+    prefix_probe: PrefixProbe
+    kv_put: _kv_tier_pb2.KVPut
+    kv_get: _kv_tier_pb2.KVGet
+    trace: _trace_pb2.TraceRequest
+    def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ..., speed_check: _Optional[_Union[SpeedCheck, _Mapping]] = ..., prefix_probe: _Optional[_Union[PrefixProbe, _Mapping]] = ..., kv_put: _Optional[_Union[_kv_tier_pb2.KVPut, _Mapping]] = ..., kv_get: _Optional[_Union[_kv_tier_pb2.KVGet, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceRequest, _Mapping]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined", "speed_checked")
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined", "speed_checked", "prefix_held", "kv_chunk", "kv_missing", "traced")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +287,10 @@ class PeerReply(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     SPEED_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HELD_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KV_MISSING_FIELD_NUMBER: _ClassVar[int]
+    TRACED_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     route: RouteReply
     no_route: NoRoute
@@ -267,4 +301,8 @@ class PeerReply(_message.Message):
     chunk: TensorChunk
     joined: _admission_pb2.JoinReply
     speed_checked: SpeedChecked
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ..., speed_checked: _Optional[_Union[SpeedChecked, _Mapping]] = ...) -> None: ...
+    prefix_held: PrefixHeld
+    kv_chunk: _kv_tier_pb2.KVChunk
+    kv_missing: _kv_tier_pb2.KVMissing
+    traced: _trace_pb2.TraceReply
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ..., speed_checked: _Optional[_Union[SpeedChecked, _Mapping]] = ..., prefix_held: _Optional[_Union[PrefixHeld, _Mapping]] = ..., kv_chunk: _Optional[_Union[_kv_tier_pb2.KVChunk, _Mapping]] = ..., kv_missing: _Optional[_Union[_kv_tier_pb2.KVMissing, _Mapping]] = ..., traced: _Optional[_Union[_trace_pb2.TraceReply, _Mapping]] = ...) -> None: ...
