@@ -216,3 +216,21 @@ def test_message_ends_are_found_where_the_template_renders_them(tiny_model):
         assert any(codec.encode_chat(messages[:i])[:end] == tokens[:end] for i in range(1, 5))
     first_turn = codec.encode_chat(messages[:2])
     assert codec.chat_boundaries(messages[:2], first_turn)[-1] in ends, "the next turn finds the last message end"
+
+
+def test_every_turn_of_a_long_conversation_finds_the_prefix_its_last_turn_kept(tiny_model):
+    codec = TextCodec.load(tiny_model)
+    messages: list[dict] = [{"role": "system", "content": "You answer about rivers and bridges, briefly. " * 4}]
+    kept: tuple[int, bytes] | None = None
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: which bridge is older, and why? " * 3})
+        tokens = codec.encode_chat(messages)
+        ends = codec.chat_boundaries(messages, tokens)
+        assert len(ends) == len(messages), "every message's end is found"
+        plan = plan_prefixes(tokens, ends, 64, KEY, messages=True)
+        if kept is not None:
+            position, name = kept
+            assert plan.names.get(position) == name, f"turn {turn} does not find turn {turn - 1}'s prefix"
+        last = max(plan.keep)
+        kept = (last, plan.names[last])
+        messages.append({"role": "assistant", "content": f"Answer {turn}: the stone one."})

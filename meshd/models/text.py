@@ -13,6 +13,7 @@ blocks (Qwen, Hermes) where the template names that tag, else a JSON object with
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import json
@@ -24,7 +25,8 @@ from typing import Any
 
 from meshd.session.detokenize import IncrementalDetokenizer
 
-CHAT_BOUNDARY_TAIL = 4  # message ends looked for before the last message (a turn may add several)
+CHAT_BOUNDARY_TAIL = 4  # without offsets: message ends looked for before the last message
+MAX_CHAT_BOUNDARIES = 512  # messages whose every end is found; longer chats: the first and the last few
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -76,10 +78,47 @@ class TextCodec:
 
     def chat_boundaries(self, messages: list[dict[str, Any]], tokens: list[int],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Where messages end in ``tokens`` (the encoded chat): the length of the template's rendering of
-        the first message and of the last few conversations before the whole, wherever that rendering
-        is a prefix of ``tokens`` (a template may render earlier messages differently once later ones
-        follow; such an end is left out). Prefix KV is kept and found at these ends."""
+        """Where messages end in ``tokens`` (the encoded chat). Prefix KV is kept and found at these ends,
+        and prefills are cut there, so every turn of a conversation must find every end its earlier
+        turns found: each leading part of the conversation is rendered as text, and the whole chat is
+        tokenized once with character offsets; a message ends at the token boundary that falls exactly
+        where its rendering ends, when that rendering is a prefix of the whole (a template may render
+        earlier messages differently once later ones follow) and no token spans the boundary. A
+        tokenizer without offsets falls back to tokenizing the first and the last few renderings."""
+        found = self._ends_by_offsets(messages, tokens, tools)
+        return found if found is not None else self._ends_by_tokenizing(messages, tokens, tools)
+
+    def _ends_by_offsets(self, messages: list[dict[str, Any]], tokens: list[int],
+                         tools: list[dict[str, Any]] | None) -> list[int] | None:
+        if len(messages) > MAX_CHAT_BOUNDARIES or not getattr(self.tokenizer, "is_fast", False):
+            return None
+        templated = [_for_template(m) for m in messages]
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        try:
+            whole = self.tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=True, **extra)
+            encoded = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception:  # a template or tokenizer that cannot: the other way
+            return None
+        if [int(i) for i in encoded["input_ids"]] != list(tokens):
+            return None
+        starts = [int(s) for s, _e in encoded["offset_mapping"]]
+        ends = [int(e) for _s, e in encoded["offset_mapping"]]
+        found: list[int] = []
+        for count in range(1, len(messages) + 1):
+            try:
+                text = self.tokenizer.apply_chat_template(templated[:count], tokenize=False,
+                                                          add_generation_prompt=False, **extra)
+            except Exception:  # a template may refuse a conversation cut there (say, one ending in a tool call)
+                continue
+            if not isinstance(text, str) or not whole.startswith(text):
+                continue
+            boundary = bisect.bisect_right(ends, len(text))  # tokens that end by the rendering's end
+            if 0 < boundary < len(tokens) and starts[boundary] >= len(text):
+                found.append(boundary)
+        return sorted(set(found))
+
+    def _ends_by_tokenizing(self, messages: list[dict[str, Any]], tokens: list[int],
+                            tools: list[dict[str, Any]] | None) -> list[int]:
         n = len(messages)
         counts = sorted({1, *range(max(1, n - CHAT_BOUNDARY_TAIL), n + 1)} - {0})
         kwargs: dict[str, Any] = {"add_generation_prompt": False, "tokenize": True, "return_dict": True}
