@@ -164,3 +164,30 @@ def test_the_prefix_bench_on_tiny_model_reports_reuse_and_an_import_with_identic
     lost = report["lost_cache"]
     assert lost["imported"] == 1 and lost["identical_to_whole_prefill"] and lost["import_speedup"] > 0
     assert "prefix imported from the KV tier" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_prefill_workers_bench_on_tiny_model_reports_both_rounds_with_identical_replies(tmp_path, tiny_model):
+    out = tmp_path / "workers.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl_main", "bench", "--prefill-workers", "--model", str(tiny_model),
+         "--workers-prompt-tokens", "300", "--workers-busy-tokens", "200", "--workers-new-tokens", "4",
+         "--workers-repeats", "1", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    report = json.loads(out.read_text())
+    # whether the tiny model's prefill is worth moving is the cost model's call; the bench says which it made
+    used = [row["workers_used"] for row in report["rounds"] if row["prefill_on"] == "workers"]
+    assert run.returncode == (0 if any(used) else 1), run.stdout + run.stderr
+    if not any(used):
+        assert "never prefilled on workers" in run.stderr
+    assert report["benchmark"] == "prefill-workers" and report["peers"] == 3 and report["identical"]
+    assert [row["prefill_on"] for row in report["rounds"]] == ["route", "workers"]
+    for row in report["rounds"]:
+        assert row["ttft_ms"] > 0 and row["one_process_ttft_ms"] > 0 and row["identical_to_one_process"]
+        assert row["busy"]["tok_s_before"] and row["busy"]["ran_throughout"], row["busy"]
+    assert report["rounds"][0]["estimate"] is None  # the entry without workers weighs none
+    workers_round = report["rounds"][1]
+    assert workers_round["estimate"] is not None, "the busy route and its idle replicas were not weighed"
+    assert workers_round["estimate"]["chosen"] == bool(workers_round["workers_used"])
+    assert "time to first token on workers / on the route" in run.stdout

@@ -45,7 +45,7 @@ def test_compressed_bundles_decode_to_exactly_the_same_tensor(dtype):
 
 
 def test_byte_planes_shrink_floats_more_than_plain_zstd():
-    raw = wire._tensor_bytes(hidden())
+    raw = wire.tensor_bytes(hidden())
     plain = zstandard.ZstdCompressor(level=byte_planes.LEVEL).compress(raw)
     assert len(byte_planes.compress(raw, 4)) < len(plain)
 
@@ -81,7 +81,7 @@ def test_bad_compressed_tensors_are_rejected(changes, message):
 
 
 def test_a_frame_without_its_size_or_cut_short_is_rejected():
-    raw = wire._tensor_bytes(hidden())
+    raw = wire.tensor_bytes(hidden())
     unsized = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(raw)
     packed = wire.encode(prefill(hidden()), compress=True)
     with pytest.raises(BundleError, match="declares -1 bytes"):

@@ -304,6 +304,20 @@ def test_the_step_timeout_counts_from_the_last_progress():
     assert late.value.code == ErrorCode.STEP_TIMEOUT and late.value.peer_id == ""
 
 
+def test_the_first_token_may_take_a_step_timeout_per_prefill_chunk():
+    entry = attempt()
+    entry.start(0.0)  # the prompt of three tokens goes out in two chunks
+    assert entry.deadline == 6.0
+    entry.on_timeout(5.9)
+    with pytest.raises(SessionFailed) as late:
+        entry.on_timeout(6.0)
+    assert late.value.code == ErrorCode.STEP_TIMEOUT and "6s" in str(late.value)
+    entry = attempt()
+    entry.start(0.0)
+    entry.on_event(token(3, 1), 1.0)
+    assert entry.deadline == 4.0  # decode steps get one each
+
+
 def test_eos_ends_the_attempt_without_feeding_the_route():
     entry = attempt(max_new=10, eos=2)
     entry.start(0.0)

@@ -71,6 +71,8 @@ def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: 
     ("log_format = \"xml\"", "log_format: 'xml' is not one of text, json"),
     ("max_sessions = 2.5", "max_sessions: 2.5 is not a whole number"),
     ("no_such_setting = 1", "unknown settings: no_such_setting"),
+    ("prefill_only = true", "prefill_only needs a model and a pinned range"),
+    ("prefill_workers = -1", "prefill_workers cannot be negative"),
     ("listen = ", "Invalid value"),
 ])
 def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path, toml: str,

@@ -93,13 +93,16 @@ def _link_shapes(text: str) -> tuple[LinkShape, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.serve and args.prefix:
-        print("meshctl bench: --serve and --prefix are separate benchmarks; run one at a time", file=sys.stderr)
+    if sum((args.serve, args.prefix, args.prefill_workers)) > 1:
+        print("meshctl bench: --serve, --prefix and --prefill-workers are separate benchmarks; run one at a time",
+              file=sys.stderr)
         return 2
     if args.serve:
         return _cmd_bench_serve(args)
     if args.prefix:
         return _cmd_bench_prefix(args)
+    if args.prefill_workers:
+        return _cmd_bench_workers(args)
     from meshd.bench.runner import BenchConfig, main_bench
 
     links = {shape.label: shape for shapes in args.link or [] for shape in shapes}
@@ -133,13 +136,33 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return main_serve(cfg, out)
 
 
+def _plain_loopback_only(args: argparse.Namespace, benchmark: str) -> bool:
+    """Whether ``benchmark`` was asked for with options it does not take (and said so)."""
+    if args.format != "safetensors" or args.link or args.speculative != ("off",) or args.dtype == "int8":
+        print(f"meshctl bench: {benchmark} measures safetensors meshes on loopback without speculation, in the "
+              "checkpoint's dtypes; it does not take --format gguf, --link, --speculative or --dtype int8",
+              file=sys.stderr)
+        return True
+    return False
+
+
+def _cmd_bench_workers(args: argparse.Namespace) -> int:
+    from meshd.bench.prefill_workers import WorkersBenchConfig, main_workers
+
+    if _plain_loopback_only(args, "--prefill-workers"):
+        return 2
+    cfg = WorkersBenchConfig(model=args.model, peers=max(args.peers or (3,)), prompt_tokens=args.workers_prompt_tokens,
+                             busy_tokens=args.workers_busy_tokens, new_tokens=args.workers_new_tokens,
+                             repeats=args.workers_repeats, dtype=args.dtype, pin=args.workers_pin,
+                             workdir=Path(args.workdir) if args.workdir else None)
+    out = Path(args.out) if args.out else Path("bench-out") / f"prefill-workers-{Path(args.model).name}.json"
+    return main_workers(cfg, out)
+
+
 def _cmd_bench_prefix(args: argparse.Namespace) -> int:
     from meshd.bench.prefix_reuse import PrefixBenchConfig, main_prefix
 
-    if args.format != "safetensors" or args.link or args.speculative != ("off",) or args.dtype == "int8":
-        print("meshctl bench: --prefix measures safetensors meshes on loopback without speculation, in the "
-              "checkpoint's dtypes; it does not take --format gguf, --link, --speculative or --dtype int8",
-              file=sys.stderr)
+    if _plain_loopback_only(args, "--prefix"):
         return 2
     cfg = PrefixBenchConfig(model=args.model, peers=max(args.peers or (3,)), first_tokens=args.prefix_tokens,
                             conversations=args.prefix_conversations, new_tokens=args.prefix_new_tokens,
@@ -297,6 +320,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="conversations measured, each with another system prompt (default 3)")
     prefix.add_argument("--prefix-new-tokens", type=int, default=32, metavar="N",
                         help="tokens each turn generates, exactly (default 32)")
+    workers = bench.add_argument_group(
+        "prefill workers (--prefill-workers)", "A long prompt sent while its route streams another session's "
+        "reply, through an entry that prefills on the route and through one that may prefill on idle replicas of "
+        "the route's ranges (a mesh of the largest --peers count, default 3, and as many prefill-only replicas, "
+        "each half on its own half of the CPUs): the prompt's time to first token, the other session's steps "
+        "meanwhile, and the replies compared with one process.")
+    workers.add_argument("--prefill-workers", action="store_true",
+                         help="run the prefill-workers benchmark instead of the standard workload "
+                         "(docs/benchmarks.md)")
+    workers.add_argument("--workers-prompt-tokens", type=int, default=1536, metavar="N",
+                         help="tokens of the long prompt (default 1536)")
+    workers.add_argument("--workers-busy-tokens", type=int, default=256, metavar="N",
+                         help="tokens of the other session's reply, exactly (default 256)")
+    workers.add_argument("--workers-new-tokens", type=int, default=16, metavar="N",
+                         help="tokens the long prompt's reply has, exactly (default 16)")
+    workers.add_argument("--workers-repeats", type=int, default=2, metavar="N",
+                         help="rounds of each kind, each with another prompt (default 2)")
+    workers.add_argument("--no-pin", dest="workers_pin", action="store_false",
+                         help="run the route's peers and the replicas on all CPUs, not on a half each")
     bench.set_defaults(func=_cmd_bench)
 
     bench_relay = sub.add_parser(

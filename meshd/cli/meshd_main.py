@@ -132,6 +132,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", default=None,
                      help="as the entry, prefill every prompt in full instead of starting after a prefix the "
                      "route's hops kept (replies are the same either way)")
+    run.add_argument("--prefill-only", action="store_true", default=None,
+                     help="serve the pinned range (--layers) only as a prefill worker: entries may have this peer "
+                     "prefill long prompts for routes through other peers, but no route decodes through it")
+    run.add_argument("--prefill-workers", type=int, metavar="TOKENS",
+                     help="as the entry, let idle peers serving the same layers prefill prompts of TOKENS or more "
+                     "(default 1024) when the route runs other sessions and the cost model says it is faster; the "
+                     "route's hops import the KV before the first token, and replies are the same either way. "
+                     "0: never")
     run.add_argument("--torch-threads", type=int, metavar="N",
                      help="threads for model compute (default 0: every CPU this process may use)")
     run.add_argument("--compression", choices=["auto", "off", "always"],
@@ -225,7 +233,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "model": args.model, "relays": args.relays, "reachability": args.reachability,
         "model_id": args.model_id, "layers": args.layers, "memory_budget": args.memory_budget,
         "kv_budget": args.kv_budget, "prefix_kv": args.prefix_kv, "kv_tier": args.kv_tier,
-        "prefix_reuse": args.prefix_reuse,
+        "prefix_reuse": args.prefix_reuse, "prefill_workers": args.prefill_workers,
+        "prefill_only": args.prefill_only,
         "chunk_tokens": args.chunk_tokens, "tracker_eligible": args.tracker_eligible,
         "log_level": args.log_level, "log_format": args.log_format, "ready_file": args.ready_file,
         "torch_threads": args.torch_threads,

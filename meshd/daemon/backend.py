@@ -14,6 +14,8 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 
+import trio
+
 from meshd.api.backend import BackendEvent, Finished, GenerationRequest, ModelInfo, Started, TokenEvent, TokenLogprob
 from meshd.api.errors import ApiError, BadRequest, DeadlineExceeded, ModelNotFound, NoRoute, Overloaded, RouteFailed
 from meshd.capture.recorder import CaptureRecorder, observe
@@ -46,6 +48,9 @@ class MeshBackend:
         self.leaving = leaving
         self.after_request = after_request  # told the route of every request answered in full (audits sample it)
         self.capture = capture  # handed what every request answered here looked like, when capture is on
+        # templates and tokenizers run in a worker thread (a long chat renders once per message), one at a
+        # time (a tokenizer is not meant to be used from two threads at once)
+        self.tokenizing = trio.CapacityLimiter(1)
 
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(id=model_id) for model_id in self.view.covered_models()]
@@ -85,7 +90,7 @@ class MeshBackend:
     async def prompt_tokens(self, req: GenerationRequest, compat_key: str) -> list[int]:
         """``req``'s prompt as the model of ``compat_key`` tokenizes it (what a replay matches by)."""
         codec = await self.files.codec_for(req.model, compat_key, self.view.sources_of)
-        return _encode(codec, req)
+        return await trio.to_thread.run_sync(_encode, codec, req, limiter=self.tokenizing)
 
     def replay(self, req: GenerationRequest, planned: PlannedRoute, entry: EntrySessions,
                seen: RequestObservation) -> AsyncGenerator[BackendEvent, None]:
@@ -112,7 +117,7 @@ class MeshBackend:
             codec = await self.files.codec_for(req.model, first.route.compat_key, self.view.sources_of)
         except ModelFilesUnavailable as exc:
             raise NoRoute(req.model, []) from exc
-        prompt = _encode(codec, req)
+        prompt = await trio.to_thread.run_sync(_encode, codec, req, limiter=self.tokenizing)
         context = self.view.context_length(req.model)
         room = context - len(prompt)
         if room <= 0:
@@ -128,8 +133,10 @@ class MeshBackend:
                          sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63),
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs),
                          stop_token_ids=stops, speculation=sessions.speculation(req.model, codec.tokenizer),
-                         prefixes=sessions.prompt_prefixes(prompt, _boundaries(codec, req, prompt),
-                                                           first.route.compat_key, req.kind == "chat"))
+                         prefixes=sessions.prompt_prefixes(
+                             prompt, await trio.to_thread.run_sync(_boundaries, codec, req, prompt,
+                                                                   limiter=self.tokenizing),
+                             first.route.compat_key, req.kind == "chat"))
         if pinned is None:  # the hops that kept the longest known prefix of the prompt, when it pays
             first = await sessions.route_for_prefix(gen, first)
         if seen is not None:  # the seed used, drawn or given, so that a replay samples the same reply

@@ -78,6 +78,13 @@ class PeerConfig:
     prefix_reuse: bool = setting(True, "as the entry, start a prompt after the longest prefix of it that the route's "
                                  "hops kept of an earlier one (and favour routes through those hops); replies are "
                                  "the same either way")
+    prefill_only: bool = setting(False, "serve the pinned range (--layers) only as a prefill worker: entries may "
+                                 "have it prefill long prompts for routes through other peers, but no route "
+                                 "decodes through it (a machine with compute to spare and a slow link)")
+    prefill_workers: int = setting(1024, "as the entry, a prompt of this many tokens or more whose route runs other "
+                                   "sessions may have its prefill computed by idle peers serving the same layers, "
+                                   "whose KV the route's hops import before the first token (when the cost model "
+                                   "says that is faster; replies are the same either way); 0: never")
     chunk_tokens: int = setting(512, "prefill chunk size in tokens (see docs/benchmarks.md)")
     torch_threads: int = setting(0, "threads for model compute; 0: every CPU this process may use")
     compression: str = setting("auto", "zstd for large prefill bundles: auto (per link, where measured to pay), "
@@ -157,12 +164,14 @@ class PeerConfig:
             raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
         if self.capture not in CAPTURE_MODES:
             raise ValueError(f"capture is one of {', '.join(CAPTURE_MODES)}, not {self.capture!r}")
+        if self.prefill_only and (self.layers is None or (self.model is None and not self.model_id)):
+            raise ValueError("prefill_only needs a model and a pinned range (--layers): a prefill worker is not placed")
         for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget",
                      "capture_max_records", "capture_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        for name in ("memory_budget", "kv_budget", "prefix_kv", "kv_tier", "torch_threads", "batch_hold",
-                     "batch_latency_ms", "session_opens_per_s"):
+        for name in ("memory_budget", "kv_budget", "prefix_kv", "kv_tier", "prefill_workers", "torch_threads",
+                     "batch_hold", "batch_latency_ms", "session_opens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} cannot be negative ({getattr(self, name)})")
         for f in fields(self):

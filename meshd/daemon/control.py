@@ -76,6 +76,7 @@ def build_control_app(peer: Peer) -> Starlette:
         if peer.entry is not None:
             summary["speculation"] = peer.entry.draft_summary()
             summary["prefix_reuse"] = {**peer.entry.prefix_stats, "remembered": len(peer.entry.prefix_map)}
+            summary["prefill_workers"] = peer.entry.worker_stats.summary()
         summary["kv_tier"] = {**peer.tier.stats, "lent": peer.tier_store.summary() if peer.tier_store else None}
         if request.query_params.get("reset"):
             peer.hops.stats.reset()

@@ -69,6 +69,8 @@ from meshd.session.prefixes import load_secret
 from meshd.session.repair import RepairConfig
 from meshd.session.routes import RouteClient
 from meshd.trace.service import TraceService
+from meshd.tracker.links import LinkTable
+from meshd.tracker.view import ShardOffer
 from meshd.transport import MessageStream, StreamHandler, Transport
 from meshd.weights.join import ModelJoin
 from meshd.weights.source import WeightsSource
@@ -203,7 +205,7 @@ class Peer:
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)
         host = self._shard_host(info, compute)
         return ServedModel(info, host, pinned=config.layers, on_change=self._republish,
-                           measured_ms=choice.measured_ms)
+                           measured_ms=choice.measured_ms, prefill_only=config.prefill_only)
 
     def _shard_host(self, info: ModelInfo, compute: ComputeThread) -> ShardHost:
         cfg = self.config
@@ -229,7 +231,8 @@ class Peer:
             await joining.fetch_range(start, end)
             self.weights.offer(info)  # hand out the tensors just fetched too
 
-        served = ServedModel(info, host, pinned=cfg.layers, on_change=self._republish, prepare=fetch)
+        served = ServedModel(info, host, pinned=cfg.layers, on_change=self._republish, prepare=fetch,
+                             prefill_only=cfg.prefill_only)
         self.served = served
         self.hops.host, self.hops.model = host, info
         self.files.local = info
@@ -333,17 +336,33 @@ class Peer:
     async def _on_prefix_probe(self, sender: str, probe: rpb.PrefixProbe) -> rpb.PrefixHeld:
         if self.served is None:
             raise CheckRefused("this peer offers no model")
-        importer = self._import_prefix if self.tier.tier_peers() else None
-        return await self.served.serve_prefix_probe(sender, probe, importer)
+        return await self.served.serve_prefix_probe(sender, probe, self._import_prefix, own_id=self.peer_id)
 
-    async def _import_prefix(self, expected: Expected) -> PrefixSnapshot | None:
-        """A prefix snapshot of this peer's range from the KV tier, published by a peer serving exactly
-        these layers in this numerics class (this one included)."""
-        trusted = {self.peer_id} | {
+    def _prefill_worker_view(self) -> tuple[list[ShardOffer], LinkTable, dict[str, str]]:
+        """What the entry chooses prefill workers from: offers, links, and the addresses of live peers."""
+        view = self.control.view
+        addresses = {peer: address for peer in view.cards() if (address := view.address_of(peer)) is not None}
+        return view.offers(), view.links(), addresses
+
+    def _serving_alike(self, compat_key: str, start: int, end: int) -> frozenset[str]:
+        """This peer and every peer whose card serves exactly layers ``[start, end)`` in ``compat_key``."""
+        return frozenset({self.peer_id} | {
             peer for peer, card in self.control.view.cards().items()
-            if any(m.compat_key == expected.compat_key and (m.range_start, m.range_end)
-                   == (expected.range_start, expected.range_end) for m in card.models)}
-        return await self.tier.fetch(expected, frozenset(trusted))
+            if any(m.compat_key == compat_key and (m.range_start, m.range_end) == (start, end) for m in card.models)})
+
+    async def _import_prefix(self, expected: Expected, source: str) -> PrefixSnapshot | None:
+        """A prefix snapshot of this peer's range computed by a peer serving exactly these layers in this
+        numerics class (this one included): from ``source``, the prefill worker that keeps it, or with
+        ``source`` empty from the KV tier."""
+        trusted = self._serving_alike(expected.compat_key, expected.range_start, expected.range_end)
+        if source:
+            if source not in trusted:
+                log.warning("prefix probe names %s as a prefill worker, which does not serve these layers", source[:12])
+                return None
+            return await self.tier.fetch_from_worker(source, expected, trusted)
+        if not self.tier.tier_peers():
+            return None
+        return await self.tier.fetch(expected, trusted)
 
     def _publish_prefix(self, key: bytes) -> None:
         """A prefix this hop just kept goes to the KV tier too (in the background)."""
@@ -357,9 +376,18 @@ class Peer:
         return rpb.Accepted()
 
     async def _on_kv_get(self, sender: str, get: kvpb.KVGet) -> kvpb.KVChunk | kvpb.KVMissing:
-        if self.tier_store is None:
+        """A chunk of a snapshot this peer holds for the tier, or of a prefix it keeps as a prefill worker
+        (only for a peer serving the same layers in the same compat key, which is who can use it)."""
+        found = self.tier_store.get(get) if self.tier_store is not None else None
+        if found is not None:
+            return found
+        if self.served is not None and sender in self._serving_alike(get.compat_key, get.range_start, get.range_end):
+            kept = await trio.to_thread.run_sync(self.served.kept_chunk, get, self.identity)
+            if kept is not None:
+                return kept
+        if self.tier_store is None and self.served is None:
             raise TierRefused("this peer lends no memory to the KV tier")
-        return self.tier_store.get(get) or kvpb.KVMissing()
+        return kvpb.KVMissing()
 
     async def _draft_model(self) -> DraftModel | None:
         """The draft model speculative decoding guesses with, loaded off the event loop; None when not
@@ -466,9 +494,9 @@ class Peer:
                                         repair=RepairConfig(attempts=cfg.repair_attempts, budget_s=cfg.repair_budget_s),
                                         speculative=cfg.speculative, max_draft_tokens=cfg.max_draft_tokens,
                                         draft_model=await self._draft_model(), prefix_reuse=cfg.prefix_reuse,
-                                        prefix_secret=self.prefix_secret)
+                                        prefix_secret=self.prefix_secret, prefill_workers=cfg.prefill_workers)
                     self.entry = EntrySessions(self.peer_id, self.transport, self.routes, entry, sessions,
-                                               metrics=self.metrics)
+                                               metrics=self.metrics, workers=self._prefill_worker_view)
                     # audit replays run on exactly the route they are given: no repair
                     replays = EntrySessions(self.peer_id, self.transport, self.routes,
                                             replace(entry, repair=RepairConfig(attempts=0)), sessions)

@@ -51,7 +51,8 @@ class TierClient:
         self.view = view
         self.replicas = replicas
         self._queue_in, self._queue = trio.open_memory_channel[Callable[[], Encoded | None]](PUBLISH_QUEUE)
-        self.stats = {"published": 0, "publish_failed": 0, "dropped": 0, "imported": 0, "import_failed": 0}
+        self.stats = {"published": 0, "publish_failed": 0, "dropped": 0, "imported": 0, "import_failed": 0,
+                      "from_workers": 0, "from_workers_failed": 0}
 
     def tier_peers(self) -> list[str]:
         return [peer for peer, card in self.view.cards().items()
@@ -115,6 +116,18 @@ class TierClient:
                     self.stats["imported"] += 1
                     return snapshot
         return None
+
+    async def fetch_from_worker(self, peer: str, expected: Expected, trusted: frozenset[str]) -> PrefixSnapshot | None:
+        """The snapshot ``expected`` names from ``peer``, a prefill worker that keeps it (the same
+        requests and checks as from the tier); None when it does not have it intact within ``IMPORT_TIMEOUT_S``."""
+        snapshot: PrefixSnapshot | None = None
+        with trio.move_on_after(IMPORT_TIMEOUT_S):
+            try:
+                snapshot = await self._fetch_from(peer, expected, trusted)
+            except (RpcFailed, SnapshotRefused) as exc:
+                log.warning("prefill worker %s: prefix of %d tokens not imported: %s", peer[:12], expected.length, exc)
+        self.stats["from_workers" if snapshot is not None else "from_workers_failed"] += 1
+        return snapshot
 
     async def _fetch_from(self, peer: str, expected: Expected, trusted: frozenset[str]) -> PrefixSnapshot | None:
         address = self.view.address_of(peer)

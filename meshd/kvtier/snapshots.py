@@ -14,7 +14,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from meshd.errors import BundleError
@@ -24,6 +23,7 @@ from meshd.runtime.numerics import DTYPE_NAMES, DTYPES
 from meshd.runtime.prefix_kv import PrefixSnapshot
 from meshd.wire import byte_planes
 from meshd.wire import kv_tier_pb2 as pb
+from meshd.wire.bundle import tensor_bytes, tensor_from_bytes
 
 CHUNK_BYTES = 1024 * 1024
 MAX_SNAPSHOT_BYTES = 4 * 1024**3  # the payload of one snapshot, uncompressed
@@ -72,7 +72,7 @@ def encode_snapshot(snapshot: PrefixSnapshot, expected: Expected, identity: Iden
             tensor = store.get(layer)
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != expected.dtype:
                 raise ValueError(f"layer {layer}'s cache is not {list(shape)} in {expected.dtype}")
-            parts.append(_raw(tensor))
+            parts.append(tensor_bytes(tensor))
     raw = b"".join(parts)
     itemsize = torch.empty((), dtype=expected.dtype).element_size()
     packed = byte_planes.compress(raw, itemsize)
@@ -134,7 +134,7 @@ def decode_snapshot(snapshot: pb.KVSnapshot, chunks: Sequence[bytes], expected: 
     at = 0
     for layer in range(expected.range_start, expected.range_end):
         for store in (keys, values):
-            store[layer] = _tensor(raw[at : at + per_tensor], expected.dtype, shape)
+            store[layer] = tensor_from_bytes(raw[at : at + per_tensor], expected.dtype, shape)
             at += per_tensor
     return PrefixSnapshot.of(expected.length, keys, values)
 
@@ -154,16 +154,3 @@ def check_expected(snapshot: pb.KVSnapshot, expected: Expected, trusted: frozens
            snapshot.range_end, snapshot.length, snapshot.kv_heads, snapshot.head_dim, snapshot.dtype)
     if got != wanted:
         raise SnapshotRefused("the snapshot is not of this prefix, model, numerics class or layer range")
-
-
-def _raw(tensor: torch.Tensor) -> bytes:
-    t = tensor.detach().to("cpu").contiguous()
-    array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-
-
-def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    np_dtype = np.dtype(np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
-    array = np.frombuffer(data, dtype=np_dtype.newbyteorder("<")).reshape(shape)
-    tensor = torch.from_numpy(array.astype(np_dtype, copy=True))
-    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor

@@ -22,8 +22,9 @@ LOCK_NAME = "meshd-cpu-compute.lock"
 
 
 def default_lock_path() -> Path:
-    """One path for every meshd process of the machine, whoever runs it (``MESHD_CPU_TURN`` overrides)."""
-    return Path(os.environ.get("MESHD_CPU_TURN") or Path(tempfile.gettempdir()) / LOCK_NAME)
+    """One path for every meshd process of the machine, whoever runs it; ``MESHD_CPU_TURN_LOCK`` overrides
+    it (``MESHD_CPU_TURN`` is the setting that turns taking turns on or off)."""
+    return Path(os.environ.get("MESHD_CPU_TURN_LOCK") or Path(tempfile.gettempdir()) / LOCK_NAME)
 
 
 class CpuTurn:

@@ -9,11 +9,13 @@ so. A range that fails to load or to pass the checks is not served: the card say
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from meshd.errors import ErrorCode, MeshError
+from meshd.errors import ErrorCode, KVBudgetExceeded, MeshError
 from meshd.identity import Identity
 from meshd.kvtier.snapshots import Encoded, Expected, encode_snapshot
 from meshd.runtime.doctor import Check, check_shard
@@ -21,8 +23,9 @@ from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo
 from meshd.runtime.prefix_kv import MAX_PROBED_PREFIXES, PrefixSnapshot, prefix_scope, scoped_name
 from meshd.runtime.shard import Shard
-from meshd.runtime.speed_probe import decode_steps, measure_decode_tok_s
+from meshd.runtime.speed_probe import decode_steps, measure_decode_tok_s, measure_prefill_tok_s
 from meshd.wire import card_pb2 as cpb
+from meshd.wire import kv_tier_pb2 as kvpb
 from meshd.wire import rpc_pb2 as rpb
 
 log = logging.getLogger("meshd.runtime")
@@ -35,10 +38,12 @@ class PlacementRefused(MeshError):
 
 
 MAX_CHECK_STEPS = 32  # decode steps one speed check may ask for
+OUTBOX_SNAPSHOTS = 2  # encoded prefixes a worker holds for the hops importing them
 
 
-Importer = Callable[[Expected], Awaitable[PrefixSnapshot | None]]
-"""``importer(expected)``: the snapshot ``expected`` describes, from the KV tier; None when it has none."""
+Importer = Callable[[Expected, str], Awaitable[PrefixSnapshot | None]]
+"""``importer(expected, source)``: the snapshot ``expected`` describes, from the peer ``source`` (a prefill
+worker) or, with ``source`` empty, from the KV tier; None when it has none."""
 
 
 class CheckRefused(MeshError):
@@ -50,19 +55,24 @@ class CheckRefused(MeshError):
 class ServedModel:
     def __init__(self, info: ModelInfo, host: ShardHost, pinned: tuple[int, int] | None = None,
                  on_change: Callable[[], None] = lambda: None, measured_ms: dict[str, float] | None = None,
-                 prepare: Callable[[int, int], Awaitable[None]] | None = None) -> None:
-        """``prepare(start, end)``: what must happen before a range can load (fetching its tensors)."""
+                 prepare: Callable[[int, int], Awaitable[None]] | None = None, prefill_only: bool = False) -> None:
+        """``prepare(start, end)``: what must happen before a range can load (fetching its tensors);
+        ``prefill_only``: the card offers the range to prefill workers only."""
         self.info = info
         self.prepare = prepare
         self.host = host
         self.pinned = pinned
+        self.prefill_only = prefill_only
         self.on_change = on_change
         self.measured_ms = measured_ms or {}  # what choosing the numerics measured
         self.decode_tok_s = 0.0
+        self.probed_prefill_tok_s = 0.0  # measured after loading; the batcher's own figure once it has one
         self.load_started = False
         self.error = ""          # why no range is served, after a failed load or check
         self.checks: list[Check] = []
         self._speed_checking = trio.Lock()
+        self._outbox: OrderedDict[bytes, Encoded] = OrderedDict()  # kept prefixes encoded for importing hops
+        self._outbox_lock = threading.Lock()
 
     @property
     def range(self) -> tuple[int, int] | None:
@@ -80,6 +90,9 @@ class ServedModel:
             layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes, context_length=info.context_length,
             numerics=info.numerics.name, shard_error=self.error, backend=info.numerics.backend,
             quantization=info.numerics.weights.removeprefix("gguf-"),
+            prefill_tok_s=_two_figures(self.host.batcher.costs.prefill_tok_s() or self.probed_prefill_tok_s),
+            kv_token_bytes=shard.kv_bytes_per_token() if (shard := self.host.shard) is not None else 0,
+            prefill_only=self.prefill_only,
         )
 
     def accept(self, order: rpb.PlacementOrder) -> tuple[int, int] | None:
@@ -102,7 +115,7 @@ class ServedModel:
         return start, end
 
     async def load(self, start: int, end: int) -> None:
-        """Load ``[start, end)``, check it, measure its decode speed, and tell the card; a failure is
+        """Load ``[start, end)``, check it, measure its decode and prefill speeds, and tell the card; a failure is
         recorded and said by the card, never raised (the peer goes on without a range)."""
         self.load_started = True
         if self.prepare is not None:
@@ -115,6 +128,10 @@ class ServedModel:
         try:
             self.checks = await self.host.load(start, end, check=check_shard) or []
             self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())
+            try:
+                self.probed_prefill_tok_s = await self.host.run_sync(measure_prefill_tok_s, self.host.require_shard())
+            except KVBudgetExceeded:
+                log.info("the KV budget holds no prefill probe: the prefill speed is unmeasured until prompts come")
         except MeshError as exc:
             self.error = str(exc)
             log.error("layers [%d, %d) of %s are not served: %s", start, end, self.info.model_id, exc)
@@ -139,10 +156,12 @@ class ServedModel:
         return rpb.SpeedChecked(steps=check.steps)
 
     async def serve_prefix_probe(self, sender: str, probe: rpb.PrefixProbe,
-                                 importer: Importer | None = None) -> rpb.PrefixHeld:
+                                 importer: Importer | None = None, own_id: str = "") -> rpb.PrefixHeld:
         """Which of the prefixes an entry names this peer's shard keeps for its sessions through
-        ``probe.upstream_peer_id`` (:mod:`meshd.runtime.prefix_kv`). With ``importer`` (the KV tier),
-        the longest one not kept here is imported first, when the tier has it."""
+        ``probe.upstream_peer_id`` (:mod:`meshd.runtime.prefix_kv`). The longest one not kept here is
+        imported first when it can be: from the prefill worker the probe names (this peer's own copy
+        under the worker route's scope when it was its own worker), else from the KV tier through
+        ``importer``. ``own_id``: this peer's id."""
         if probe.model_id != self.info.model_id or probe.compat_key != self.info.compat_key:
             raise CheckRefused(f"prefix probe for {probe.model_id!r} ({probe.compat_key[:12]}); this peer serves "
                                f"{self.info.model_id!r} ({self.info.compat_key[:12]})")
@@ -157,12 +176,46 @@ class ServedModel:
         held = [name for name, length, key in asked if shard.kv.prefixes.holds(key, length)]
         longest = max((length for name, length, _key in asked if name in held), default=0)
         missing = sorted(((length, key, name) for name, length, key in asked if length > longest), reverse=True)
-        if importer is not None and missing:
-            length, key, name = missing[0]
-            snapshot = await importer(self.tier_expected(shard, key, length))
-            if snapshot is not None and shard.kv.keep_snapshot(key, snapshot):
-                held.append(name)
+        if not missing:
+            return rpb.PrefixHeld(names=held)
+        length, key, name = missing[0]
+        snapshot: PrefixSnapshot | None = None
+        if probe.source_peer_id:
+            worker_key = scoped_name(prefix_scope(sender, probe.source_upstream_peer_id), name)
+            if probe.source_peer_id == own_id:
+                snapshot = shard.kv.prefixes.peek(worker_key)
+                snapshot = snapshot if snapshot is not None and snapshot.length == length else None
+            elif importer is not None:
+                snapshot = await importer(self.tier_expected(shard, worker_key, length), probe.source_peer_id)
+        elif importer is not None:
+            snapshot = await importer(self.tier_expected(shard, key, length), "")
+        if snapshot is not None and shard.kv.keep_snapshot(key, snapshot):
+            held.append(name)
         return rpb.PrefixHeld(names=held)
+
+    def kept_chunk(self, get: kvpb.KVGet, identity: Identity) -> kvpb.KVChunk | None:
+        """Chunk ``get.index`` of a prefix this hop keeps, as the KV tier would hand it out (for a decode
+        hop importing what this peer prefilled as a worker); None when it is not kept here. Encoded once
+        per prefix (in the caller's worker thread) and held for the chunks that follow."""
+        shard = self.host.shard
+        if shard is None or get.compat_key != self.info.compat_key or \
+                (get.range_start, get.range_end) != (shard.spec.start, shard.spec.end):
+            return None
+        with self._outbox_lock:
+            encoded = self._outbox.get(get.key)
+            if encoded is None:
+                encoded = self.encoded_for_tier(get.key, identity)
+                if encoded is None:
+                    return None
+                self._outbox[get.key] = encoded
+                while len(self._outbox) > OUTBOX_SNAPSHOTS:
+                    self._outbox.popitem(last=False)
+            described, chunks = encoded
+            if get.index >= len(chunks):
+                return None
+            if get.index == len(chunks) - 1:
+                self._outbox.pop(get.key, None)  # the last chunk: whoever asked has it all
+        return kvpb.KVChunk(snapshot=described, index=get.index, data=chunks[get.index])
 
     def tier_expected(self, shard: Shard, key: bytes, length: int) -> Expected:
         """What a snapshot of the prefix ``key`` of ``length`` tokens is on this peer's shard."""
@@ -178,3 +231,8 @@ class ServedModel:
         if shard is None or snapshot is None:
             return None
         return encode_snapshot(snapshot, self.tier_expected(shard, key, snapshot.length), identity)
+
+
+def _two_figures(value: float) -> float:
+    """``value`` to two significant figures: a card is re-issued when it changes, not at every measurement."""
+    return float(f"{value:.2g}") if value > 0 else 0.0

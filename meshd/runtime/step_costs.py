@@ -15,6 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of a new measurement in its size's figure
+MIN_RATE_CHUNK = 64  # prefill chunks this long or longer say what a long prompt's prefill costs per token
 
 
 def chunk_class(tokens: int) -> int:
@@ -38,6 +39,7 @@ class StepCosts:
 
     decode: dict[int, _Figure] = field(default_factory=dict)
     prefill: dict[int, _Figure] = field(default_factory=dict)
+    prefill_token: _Figure | None = None  # seconds per token of chunks of MIN_RATE_CHUNK tokens or more
 
     def observe_decode(self, rows: int, seconds: float) -> None:
         if rows >= 1 and seconds > 0:
@@ -46,6 +48,15 @@ class StepCosts:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 1 and seconds > 0:
             _observe(self.prefill, chunk_class(tokens), seconds)
+            if tokens >= MIN_RATE_CHUNK:
+                if self.prefill_token is None:
+                    self.prefill_token = _Figure(seconds / tokens)
+                else:
+                    self.prefill_token.add(seconds / tokens)
+
+    def prefill_tok_s(self) -> float | None:
+        """Tokens per second a long prefill runs at here (None: no long chunk measured yet)."""
+        return 1.0 / self.prefill_token.seconds if self.prefill_token is not None else None
 
     def decode_s(self, rows: int) -> float | None:
         """The expected seconds of a decode step of ``rows`` rows (None: nothing measured yet)."""
@@ -71,11 +82,13 @@ class StepCosts:
             "decode_rows_per_s": {str(r): round(r / f.seconds, 2) for r, f in sorted(self.decode.items())},
             "decode_samples": {str(r): f.count for r, f in sorted(self.decode.items())},
             "prefill_ms_by_chunk": {str(c): round(f.seconds * 1000, 3) for c, f in sorted(self.prefill.items())},
+            "prefill_tok_s": round(1.0 / self.prefill_token.seconds, 1) if self.prefill_token is not None else None,
         }
 
     def reset(self) -> None:
         self.decode.clear()
         self.prefill.clear()
+        self.prefill_token = None
 
 
 def _observe(table: dict[int, _Figure], size: int, seconds: float) -> None:

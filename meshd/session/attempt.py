@@ -53,6 +53,9 @@ class SessionPlan:
     speculation: Speculation | None = None  # None: one token per step
     prefixes: PromptPrefixes | None = None  # where the prompt's prefill is cut, and which prefixes hops keep
     known_prefixes: Sequence[KnownPrefix] = ()  # kept prefixes of the prompt to ask the route's hops about
+    # per hop: the prefill worker that computed the longest known prefix for its layers, and that
+    # worker's upstream peer ("" and "": none); the hop imports the prefix from there when it lacks it
+    prefix_sources: Sequence[tuple[str, str]] = ()
 
 
 @dataclass
@@ -157,6 +160,7 @@ class EntryAttempt:
         self.done = False
         self.results_ready = False
         self._last_progress = now
+        self._prefill_chunks = 1  # what the first token waits for: every chunk of the prompt's prefill
 
     @property
     def head(self) -> pb.HopAddress:
@@ -168,8 +172,13 @@ class EntryAttempt:
 
     @property
     def deadline(self) -> float:
-        """When the attempt fails unless something arrives: the step timeout after the last progress."""
-        return self._last_progress + self.plan.step_timeout_s
+        """When the attempt fails unless something arrives: the step timeout after the last progress, and
+        before the first token one step timeout per prefill chunk (a long prompt on a slow route computes
+        them all before anything comes back)."""
+        return self._last_progress + self.plan.step_timeout_s * self._waits()
+
+    def _waits(self) -> int:
+        return self._prefill_chunks if self.generated == 0 else 1
 
     def open_for(self, index: int) -> pb.SessionOpen:
         """The ``SessionOpen`` for the stream to hop ``index`` (the tail's results stream: the last)."""
@@ -186,7 +195,9 @@ class EntryAttempt:
         if not self.results_ready:
             raise SessionFailed(ErrorCode.PROTOCOL, "the prompt goes out only once the results stream is ready")
         self._last_progress = self.step_sent = now
-        return [SendToHead(b) for b in self._prefill()]
+        chunks = self._prefill()
+        self._prefill_chunks = max(1, len(chunks))
+        return [SendToHead(b) for b in chunks]
 
     def on_results_open(self, message: pb.SeamMessage, now: float) -> None:
         """The tail's first answer on the results stream: ready, or why not."""
@@ -213,7 +224,7 @@ class EntryAttempt:
 
     def on_timeout(self, now: float) -> None:
         if now >= self.deadline:
-            raise SessionFailed(ErrorCode.STEP_TIMEOUT, f"no token for {self.plan.step_timeout_s:g}s")
+            raise SessionFailed(ErrorCode.STEP_TIMEOUT, f"no token for {self.plan.step_timeout_s * self._waits():g}s")
 
     def _on_token(self, result: pb.TokenResult, now: float) -> list[EntryAction]:
         if self.done:

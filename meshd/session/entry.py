@@ -44,10 +44,12 @@ from meshd.session.attempt import (
     StreamEnded,
 )
 from meshd.session.drafting import Drafter, DraftLength, DraftModel, DraftStats, LookupThenModel, NgramDrafter
+from meshd.session.prefill_workers import WorkerPlan, plan_prefill_workers
 from meshd.session.prefixes import KnownPrefix, PrefixMap, PromptPrefixes, entry_key, plan_prefixes
 from meshd.session.repair import RepairConfig, RepairPolicy
+from meshd.tracker.links import LinkTable
 from meshd.tracker.routing import NoRouteError
-from meshd.tracker.view import Route
+from meshd.tracker.view import Route, ShardOffer
 from meshd.transport.errors import TransportError
 from meshd.transport.streams import MessageStream, StreamOpener
 from meshd.wire import bundle as wire
@@ -56,6 +58,9 @@ from meshd.wire import session_pb2 as pb
 from meshd.wire.bundle import Sampling
 
 log = logging.getLogger("meshd.session")
+
+WorkerView = Callable[[], tuple[list[ShardOffer], LinkTable, dict[str, str]]]
+"""What prefill workers are chosen from: the live offers, the links, and every live peer's address."""
 
 HEALTH_INTERVAL_S = 0.2  # how often an attempt checks gossip's verdict on its hops
 PREFIX_PROBE_TIMEOUT_S = 10.0  # a hop may import a prefix from the KV tier before it answers
@@ -162,9 +167,11 @@ async def held_prefix(opener: StreamOpener, entry_peer_id: str, plan: SessionPla
 
     async def ask(i: int) -> None:
         upstream = hops[i - 1].peer_id if i else entry_peer_id
+        source, source_upstream = plan.prefix_sources[i] if plan.prefix_sources else ("", "")
         request = rpb.PeerRequest(prefix_probe=rpb.PrefixProbe(
             model_id=plan.route.model_id, compat_key=plan.route.compat_key, upstream_peer_id=upstream,
-            names=[k.name for k in candidates], lengths=[k.position for k in candidates]))
+            names=[k.name for k in candidates], lengths=[k.position for k in candidates],
+            source_peer_id=source, source_upstream_peer_id=source_upstream))
         try:
             reply = await call(opener, hops[i].peer_id, plan.addresses[hops[i].peer_id], request,
                                timeout=PREFIX_PROBE_TIMEOUT_S)
@@ -294,6 +301,24 @@ class EntryConfig:
     draft_model: DraftModel | None = None
     prefix_reuse: bool = True   # prompts start from prefixes the route's hops kept of earlier ones
     prefix_secret: bytes = b""  # what this entry's prefix names are keyed with (empty: a fresh one per run)
+    prefill_workers: int = 1024  # prompts this long or longer may be prefilled by idle replicas; 0: never
+
+
+@dataclass
+class WorkerStats:
+    """Prompts prefilled on workers: planned, failed there, started after the workers' prefix (and its
+    tokens); prompts whose estimate kept them on the route; and the last estimate, chosen or not."""
+
+    planned: int = 0
+    declined: int = 0
+    failed: int = 0
+    used: int = 0
+    tokens: int = 0
+    last: dict[str, object] | None = None
+
+    def summary(self) -> dict[str, object]:
+        return {"planned": self.planned, "declined": self.declined, "failed": self.failed, "used": self.used,
+                "tokens": self.tokens, "last": self.last}
 
 
 @dataclass
@@ -327,8 +352,11 @@ class EntrySessions:
     nursery), so that each is owned by the daemon while the API streams its tokens."""
 
     def __init__(self, peer_id: str, opener: StreamOpener, routes: RouteSource, config: EntryConfig,
-                 nursery: trio.Nursery, metrics: PeerMetrics | None = None) -> None:
+                 nursery: trio.Nursery, metrics: PeerMetrics | None = None,
+                 workers: WorkerView | None = None) -> None:
+        """``workers``: where prefill workers come from (None: every prompt prefills on its route)."""
         self.peer_id = peer_id
+        self.workers = workers
         self.metrics = metrics or PeerMetrics()
         self.opener = opener
         self.routes = routes
@@ -342,6 +370,7 @@ class EntrySessions:
         self.prefix_map = PrefixMap()
         self._prefix_secret = config.prefix_secret or secrets.token_bytes(32)
         self.prefix_stats = {"asked": 0, "reused": 0, "reused_tokens": 0}  # over every attempt that knew a prefix
+        self.worker_stats = WorkerStats()
 
     def prompt_prefixes(self, prompt: Sequence[int], boundaries: Sequence[int], compat_key: str,
                         chat: bool) -> PromptPrefixes:
@@ -415,6 +444,7 @@ class EntrySessions:
         generated: list[int] = []  # the reply's token ids so far: a repaired route re-prefills them
         planned: PlannedRoute | None = first
         numerics_class = first.route.compat_key  # repairs stay with peers that compute alike
+        worked = await self._prefill_on_workers(gen, first, deadline)  # the first attempt only
         while len(generated) < gen.max_new_tokens:
             if planned is None:
                 planned = await self._plan(gen, policy, len(generated), deadline, numerics_class)
@@ -433,6 +463,9 @@ class EntrySessions:
                 known_prefixes=self.prefix_map.known(gen.prefixes)
                 if gen.prefixes is not None and cfg.prefix_reuse and not unchanged else (),
             )
+            if worked is not None:  # the workers' prefix first, each hop told where its part of it is
+                plan = replace(plan, known_prefixes=[worked[0], *plan.known_prefixes], prefix_sources=worked[1])
+                worked = None
             send, receive = trio.open_memory_channel[GeneratedToken](math.inf)
             outcome = _Outcome()
             scope = await self.nursery.start(self._attempt_task, plan, send, outcome, deadline)
@@ -482,6 +515,76 @@ class EntrySessions:
         if prefix is not None:
             self.prefix_stats["reused"] += 1
             self.prefix_stats["reused_tokens"] += prefix.position
+            if prefix.holders == ():  # the workers' prefix: no route was asked to keep it
+                self.worker_stats.used += 1
+                self.worker_stats.tokens += prefix.position
+
+    def worker_plan(self, gen: Generation, route: Route) -> tuple[WorkerPlan, dict[str, str]] | None:
+        """Whether ``gen``'s prompt is prefilled on workers before it decodes on ``route``, and on which
+        (with their addresses): a long prompt, a cut to stop at, and the estimate in favour."""
+        cfg = self.config
+        if self.workers is None or not cfg.prefill_workers or gen.prefixes is None:
+            return None
+        cut = max((p for p in gen.prefixes.names if p < len(gen.prompt)), default=0)  # one token is left to the route
+        if cut < cfg.prefill_workers:
+            return None
+        offers, links, addresses = self.workers()
+        sessions: dict[str, int] = {}
+        for live in self.live.values():
+            if live.session_id != gen.session_id:
+                for peer in live.route:
+                    sessions[peer] = sessions.get(peer, 0) + 1
+        alive = [o for o in offers if o.peer_id in addresses and self.routes.is_alive(o.peer_id)]
+        chosen = plan_prefill_workers(route, alive, links, self.peer_id, cut, cfg.chunk_tokens, sessions)
+        if chosen is None:
+            return None
+        self.worker_stats.last = chosen.as_json()
+        if not chosen.pays:
+            self.worker_stats.declined += 1
+            log.info("session %s: the prompt's prefill stays on the route (estimated %.0f ms there and %.0f ms of "
+                     "other sessions' steps delayed, %.0f ms and %.0f ms on idle replicas)", gen.session_id,
+                     chosen.route_ms, chosen.route_stall_ms, chosen.workers_ms, chosen.workers_stall_ms)
+            return None
+        return chosen, {h.peer_id: addresses[h.peer_id] for h in chosen.hops}
+
+    async def _prefill_on_workers(self, gen: Generation, first: PlannedRoute, deadline: float,
+                                  ) -> tuple[KnownPrefix, list[tuple[str, str]]] | None:
+        """Prefill ``gen``'s prompt up to its last cut on idle replicas of ``first``'s busy hops, when the
+        cost model says that is faster: the prefix the decode route then starts from, and where each of its
+        hops imports its part; None when not worth it, or when the workers failed (the route prefills it all)."""
+        chosen = self.worker_plan(gen, first.route)
+        if chosen is None:
+            return None
+        plan, addresses = chosen
+        assert gen.prefixes is not None
+        self.worker_stats.planned += 1
+        prefixes = gen.prefixes
+        names = {p: name for p, name in prefixes.names.items() if p <= plan.cut}
+        work = SessionPlan(
+            route=replace(first.route, hops=plan.hops, epoch=0, terms=(), cost_ms=0.0), addresses=addresses,
+            prompt=list(gen.prompt[:plan.cut]), max_new_tokens=1, sampling=Sampling(), stop_token_ids=frozenset(),
+            session_id=f"{gen.session_id}-prefill", chunk_tokens=self.config.chunk_tokens,
+            step_timeout_s=self.config.step_timeout_s,
+            prefixes=PromptPrefixes(plan.cut, prefixes.chunk_tokens, names, frozenset({plan.cut})))
+        log.info("session %s: prefilling %d of %d prompt tokens on %s (estimated %.0f ms there, %.0f ms on the "
+                 "route)", gen.session_id, plan.cut, len(gen.prompt), work.route.describe(), plan.workers_ms,
+                 plan.route_ms, extra=_ids(gen.session_id, first.route))
+        send, receive = trio.open_memory_channel[GeneratedToken](math.inf)
+        try:
+            with trio.move_on_at(deadline):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_attempt, self.opener, self.peer_id, work, self.routes.is_alive, send)
+                    async with receive:
+                        async for _token in receive:  # the one token only says the prefill is done
+                            pass
+        except Exception as exc:  # SessionFailed, or a fault here: either way the route prefills it all
+            self.worker_stats.failed += 1
+            log.info("session %s: the prefill workers failed (%s); the route prefills the whole prompt",
+                     gen.session_id, exc)
+            return None
+        upstreams = [self.peer_id, *(h.peer_id for h in plan.hops[:-1])]
+        sources = [(w.peer_id, up) for w, up in zip(plan.hops, upstreams, strict=True)]
+        return KnownPrefix(plan.cut, names[plan.cut], ()), sources
 
     def _kept_prefixes(self, plan: SessionPlan) -> None:
         if plan.prefixes is None:

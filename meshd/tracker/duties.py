@@ -102,7 +102,9 @@ class TrackerDuties:
     def placement_orders(self, offers: Iterable[ShardOffer], now: float) -> list[Order]:
         """Orders for the peers that wait for a range and were not sent one recently."""
         by_model: dict[tuple[str, str, int], list[ShardOffer]] = {}
-        for offer in offers:  # by layer count too: see plan_route
+        for offer in offers:  # by layer count too: see plan_route; prefill workers cover nothing
+            if offer.prefill_only:
+                continue
             by_model.setdefault((offer.model_id, offer.compat_key, offer.n_layers), []).append(offer)
         orders = []
         for (model_id, compat_key, _n), group in sorted(by_model.items()):

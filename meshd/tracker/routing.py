@@ -136,7 +136,7 @@ def plan_route(
     links = rtt_ms if isinstance(rtt_ms, LinkTable) else LinkTable.of_round_trips(rtt_ms)
     entry_id = links.planner if entry is None else entry
     usable = [o for o in offers if o.model_id == model_id and o.range is not None and o.peer_id not in exclude
-              and (not compat_key or o.compat_key == compat_key)]
+              and (not compat_key or o.compat_key == compat_key) and not o.prefill_only]
     if not usable:
         raise NoRouteError(model_id, [])
     relayed_offers = {o.peer_id for o in usable if o.relayed}

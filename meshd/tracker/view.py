@@ -45,6 +45,9 @@ class ShardOffer:
     queued: int = 0
     relayed: bool = False
     pinned: bool = False         # the operator fixed the range; placement never assigns one
+    prefill_ms_per_token: float = 0.0  # measured prefill time of one token on the whole range (0: unmeasured)
+    kv_token_bytes: int = 0      # KV bytes one token takes on the range
+    prefill_only: bool = False   # a prefill worker only: never planned into a route
 
     def placed(self, layers: tuple[int, int]) -> ShardOffer:
         return replace(self, range=layers)
@@ -149,7 +152,8 @@ def offers_of(card: cpb.CapabilityCard) -> list[ShardOffer]:
             layer_bytes=m.layer_bytes, edge_bytes=m.edge_bytes, memory_budget_bytes=card.memory_budget_bytes,
             range=(m.range_start, m.range_end) if placed else None, ms_per_layer=ms_per_layer,
             active_sessions=card.load.active_sessions, queued=card.load.queued, relayed=not card.addresses,
-            pinned=m.pinned,
+            pinned=m.pinned, prefill_ms_per_token=1000.0 / m.prefill_tok_s if m.prefill_tok_s > 0 else 0.0,
+            kv_token_bytes=m.kv_token_bytes, prefill_only=m.prefill_only,
         ))
     return out
 

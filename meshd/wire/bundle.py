@@ -155,7 +155,7 @@ def encode(bundle: HiddenStateBundle, *, compress: bool = False) -> bytes:
         code = _WIRE_DTYPE.get(tensor.dtype)
         if code is None:
             raise BundleError(f"tensor {name!r}: dtype {tensor.dtype} has no wire encoding")
-        data, encoding = _tensor_bytes(tensor), pb.RAW
+        data, encoding = tensor_bytes(tensor), pb.RAW
         if compress and len(data) >= COMPRESS_MIN_BYTES:
             packed = byte_planes.compress(data, _DTYPES[code][1])
             if len(packed) < len(data):
@@ -239,7 +239,8 @@ def decode(data: bytes) -> HiddenStateBundle:
     )
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's values as raw little-endian bytes (bfloat16 as its 16 bits), as the wire carries them."""
     t = tensor.detach().to("cpu").contiguous()
     raw = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
     if sys.byteorder != "little":
@@ -269,6 +270,11 @@ def _decode_tensor(t: pb.Tensor) -> torch.Tensor:
         )
     if expected == 0:
         raise BundleError(f"tensor {t.name!r} is empty")
+    return tensor_from_bytes(data, dtype, shape)
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor :func:`tensor_bytes` wrote (``data`` holds exactly ``shape`` of ``dtype``), in memory of its own."""
     np_dtype = {torch.bfloat16: np.int16}.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype
     array = np.frombuffer(data, dtype=np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
     tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))

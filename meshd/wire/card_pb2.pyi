@@ -35,7 +35,7 @@ class Hardware(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., cpu_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelServed(_message.Message):
-    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error", "backend", "quantization")
+    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error", "backend", "quantization", "prefill_tok_s", "kv_token_bytes", "prefill_only")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class ModelServed(_message.Message):
     SHARD_ERROR_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     n_layers: int
@@ -64,7 +67,10 @@ class ModelServed(_message.Message):
     shard_error: str
     backend: str
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ..., backend: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    prefill_tok_s: float
+    kv_token_bytes: int
+    prefill_only: bool
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ..., backend: _Optional[str] = ..., quantization: _Optional[str] = ..., prefill_tok_s: _Optional[float] = ..., kv_token_bytes: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("active_sessions", "queued")

@@ -226,18 +226,22 @@ class SpeedChecked(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class PrefixProbe(_message.Message):
-    __slots__ = ("model_id", "compat_key", "upstream_peer_id", "names", "lengths")
+    __slots__ = ("model_id", "compat_key", "upstream_peer_id", "names", "lengths", "source_peer_id", "source_upstream_peer_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_UPSTREAM_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     upstream_peer_id: str
     names: _containers.RepeatedScalarFieldContainer[bytes]
     lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., upstream_peer_id: _Optional[str] = ..., names: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    source_peer_id: str
+    source_upstream_peer_id: str
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., upstream_peer_id: _Optional[str] = ..., names: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ..., source_peer_id: _Optional[str] = ..., source_upstream_peer_id: _Optional[str] = ...) -> None: ...
 
 class PrefixHeld(_message.Message):
     __slots__ = ("names",)
