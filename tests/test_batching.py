@@ -494,3 +494,105 @@ def test_the_machine_counts_as_shared_while_other_processes_fill_its_cores(monke
         now[0], machine["busy"], own["user"] = float(t), machine["busy"] + 1.8, own["user"] + 0.3
     share._read(now[0])
     assert share() is True and share.others > 0.25
+
+
+# -- prefill in slices -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("arch", "numerics"), [(arch, n) for arch in sorted(ARCHS) for n in ("float32", "bfloat16")])
+def test_a_prefill_in_slices_with_decode_steps_between_computes_what_one_call_does(adapter_models, arch, numerics):
+    """A chunk computed a layer at a time, with another session's decode step run between every two
+    layers, gives the logits one call gives, and so does the decoding session, bit for bit."""
+    model_dir = adapter_models[arch]
+    long_prompt, short_prompt = PROMPTS[4], PROMPTS[1]
+    solo_long, solo_long_logits = _solo(model_dir, long_prompt, 2, NUMERICS[numerics])
+    _, solo_short_logits = _solo(model_dir, short_prompt, N_LAYERS, NUMERICS[numerics])
+    shard = Shard(model_dir, 0, N_LAYERS, keep_logits=True, numerics=NUMERICS[numerics])
+    short = shard.forward(_first("short", short_prompt, (0, N_LAYERS)))
+    tokens, logits = [short.token], [short.logits]
+    run = shard.start_prefill(_first("long", long_prompt, (0, N_LAYERS)))
+    slices = 1
+    while not run.advance(lambda: True):  # a slice of one layer
+        step = _decode("short", tokens[-1], len(short_prompt) + len(tokens) - 1, len(tokens), (0, N_LAYERS))
+        result = shard.forward(step)
+        tokens.append(result.token)
+        logits.append(result.logits)
+        slices += 1
+    first = run.finish()
+    assert slices == N_LAYERS
+    assert first.token == solo_long[0] and torch.equal(first.logits, solo_long_logits[0])
+    assert all(torch.equal(a, b) for a, b in zip(logits, solo_short_logits, strict=True))
+    assert shard.kv.get(("long", 0)).length == len(long_prompt)
+    step = shard.forward(_decode("long", first.token, len(long_prompt), 1, (0, N_LAYERS)))
+    assert torch.equal(step.logits, solo_long_logits[1])
+
+
+def test_a_slice_that_fails_leaves_the_session_as_it_was(tiny_model, monkeypatch):
+    prompt = PROMPTS[4]
+    solo, _ = _solo(tiny_model, prompt, 2)
+    shard = Shard(tiny_model, 0, N_LAYERS)
+    chunks = list(input_bundles("s", 0, prompt, 0, 10, (0, N_LAYERS), Sampling()))
+    assert shard.forward(chunks[0]).token is None
+    run_layer = shard._run_layer
+
+    def failing(index, *args):
+        if index == 2:
+            raise RuntimeError("kernel failed")
+        return run_layer(index, *args)
+
+    monkeypatch.setattr(shard, "_run_layer", failing)
+    run = shard.start_prefill(chunks[1])
+    assert not run.advance(lambda: True)  # layer 0 done
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        run.advance(lambda: False)
+    assert shard.kv.get(("s", 0)).length == 10
+    fresh = shard.start_prefill(_first("fresh", prompt, (0, N_LAYERS)))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        fresh.advance(lambda: False)
+    assert ("fresh", 0) not in shard.kv  # a session the chunk opened is gone with it
+    monkeypatch.setattr(shard, "_run_layer", run_layer)
+    assert shard.forward(chunks[1]).token is None
+    first = shard.forward(chunks[2])
+    assert first.token == solo[0]
+    assert shard.forward(_decode("s", first.token, len(prompt), 1, (0, N_LAYERS))).token == solo[1]
+
+
+class _SlicedRecorder(_Recorder):
+    """Fake compute whose prefill chunks take ``slices`` slices of ``delay`` seconds each."""
+
+    def __init__(self, slices: int) -> None:
+        super().__init__(delay=1.0)
+        self.slices = slices
+
+    async def prefill(self, bundle, pause, between):
+        for i in range(self.slices):
+            self.calls.append([f"{bundle.session_id}/{i}"])
+            await trio.sleep(self.delay)
+            if i < self.slices - 1 and pause():
+                await between()
+        return StepResult(token=bundle.start_position), self.slices * self.delay
+
+
+async def test_decode_steps_queued_during_a_prefill_run_between_its_slices(autojump_clock):
+    rec = _SlicedRecorder(slices=4)
+    batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill, slice_s=1e-9)  # every slice ends at once
+    done = {}
+
+    async def submit(name, bundle, delay):
+        await trio.sleep(delay)
+        result = await batcher.submit(bundle)
+        done[name] = (trio.current_time(), result.token)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit, "p", _bundle("p", Phase.PREFILL, 0, 64), 0.0)
+        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 7), 0.5)
+        nursery.start_soon(submit, "b", _bundle("b", Phase.DECODE, 8), 0.7)
+        nursery.start_soon(submit, "c", _bundle("c", Phase.DECODE, 9), 2.5)
+    # a and b waited for the slice in progress, not for the whole chunk; c for the next one
+    assert rec.calls == [["p/0"], ["a", "b"], ["p/1"], ["c"], ["p/2"], ["p/3"]]
+    assert done["a"] == (2.0, 7) and done["b"] == (2.0, 8) and done["c"] == (4.0, 9) and done["p"] == (6.0, 0)
+    stats = batcher.stats.summary()
+    assert stats["decode_stall_bound_ms"] == pytest.approx(1000.0)  # one slice, not the chunk's 4 s
+    assert stats["decodes_between_slices"] == 2 and stats["prefill_chunks"] == 1
+    assert stats["decode_batches"] == 2 and batcher.waiting == 0
+    assert batcher.costs.summary()["prefill_ms_by_chunk"] == {"64": 4000.0}  # the whole chunk's compute

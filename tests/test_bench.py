@@ -187,6 +187,8 @@ def test_the_prefill_workers_bench_on_tiny_model_reports_both_rounds_with_identi
         assert row["ttft_ms"] > 0 and row["one_process_ttft_ms"] > 0 and row["identical_to_one_process"]
         assert row["busy"]["tok_s_before"] and row["busy"]["ran_throughout"], row["busy"]
     assert report["rounds"][0]["estimate"] is None  # the entry without workers weighs none
+    stalls = report["route_hops_stall"]
+    assert len(stalls) == 3 and all(hop["prefill_chunks"] >= 1 and hop["decode_stall_bound_ms"] > 0 for hop in stalls)
     workers_round = report["rounds"][1]
     assert workers_round["estimate"] is not None, "the busy route and its idle replicas were not weighed"
     assert workers_round["estimate"]["chosen"] == bool(workers_round["workers_used"])

@@ -25,11 +25,14 @@ BUSY = [{"role": "user", "content": "Tell me everything."}]
 def start_mesh(mesh: LocalMesh, model, *worker_flags: str) -> None:
     # the route's hops claim a slow prefill, so that the prefill-only replica is worth its transfers
     # whatever the tiny model's real speeds are
-    mesh.start_peers([dict(model=model, layers=r, module=CLAIMS,
-                           extra=["--prefill-tok-s", "20", *(["--prefill-workers", "64"] if r == SPLIT[0] else [])])
-                      for r in SPLIT])
+    slow = ["--prefill-tok-s", "20"]
+    first = mesh.start_peer(model=model, layers=SPLIT[0], module=CLAIMS, extra=[*slow, "--prefill-workers", "64"])
+    # one numerics class for all: a peer measuring its own on a loaded machine may find another one,
+    # and a replica of another class is no worker for the route
+    pinned = ["--numerics", first.get("/status")["numerics"]]
+    mesh.start_peers([dict(model=model, layers=r, module=CLAIMS, extra=[*slow, *pinned]) for r in SPLIT[1:]])
     mesh.start_peer(model=model, layers=SPLIT[1], module=CLAIMS,
-                    extra=["--prefill-only", "--prefill-tok-s", "100000", *worker_flags])
+                    extra=["--prefill-only", "--prefill-tok-s", "100000", *pinned, *worker_flags])
     mesh.wait_covered("tiny")
 
 

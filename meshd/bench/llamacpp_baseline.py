@@ -20,12 +20,13 @@ from meshd.bench.baseline import BaselineResult, measure_runs
 
 class LlamaCppBaseline:
     def __init__(self, gguf_path: Path, prompt_ids: list[int], new_tokens: int, threads: int) -> None:
+        from meshd.runtime.llamacpp.engine import model_params
         from meshd.runtime.llamacpp.library import library
 
         lib = library()
         self.lib = lib
         self.threads = threads
-        self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), lib.llama_model_default_params())
+        self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), model_params(lib))
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         params = lib.llama_context_default_params()

@@ -44,7 +44,7 @@ from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalPeer
 
 BUSY = [{"role": "user", "content": "Describe the harbor town, its bridges and its markets, at length."}]
-BASELINE_WINDOW_S = 2.0  # the busy session runs this long alone before the prompt is sent
+BASELINE_WINDOW_S = 2.0  # the busy session runs this long alone (or a quarter of its reply) before the prompt
 ROUTE_TIMEOUT_S = 60.0
 
 
@@ -190,6 +190,9 @@ def run_workers_bench(cfg: WorkersBenchConfig, say: Say) -> dict:
                         if estimate else "; no workers weighed" if mode == "workers" else ""))
         worker_stats = workers.get("/stats")["prefill_workers"]
         numerics = hops[0].get("/status")["numerics"]
+        # what each route hop's batcher says of the decode stall its prefill chunks caused (all rounds)
+        stalls = [{key: hop.get("/stats")["batches"][key]
+                   for key in ("decode_stall_bound_ms", "decodes_between_slices", "prefill_chunks")} for hop in hops]
     say(f"one process: {model_id} with transformers generate(), {threads} torch threads")
     base: Baseline | None = None
     single: list[dict[str, Any]] = []
@@ -210,6 +213,7 @@ def run_workers_bench(cfg: WorkersBenchConfig, say: Say) -> dict:
             "cpus": {"route": sorted(halves[0]), "replicas": sorted(halves[1])} if halves else None,
             "prompt_tokens": cfg.prompt_tokens, "busy_tokens": cfg.busy_tokens, "new_tokens": cfg.new_tokens,
             "rounds": rounds, "summary": _summary(rounds), "entry_prefill_workers": worker_stats,
+            "route_hops_stall": stalls,
             "identical": all(r["identical_to_one_process"] for r in rounds),
             "machine": machine_meta(threads, load_start)}
 
@@ -237,7 +241,11 @@ def _round(client: Any, entry: LocalPeer, model_id: str, messages: list[dict], c
         if time.monotonic() > deadline:
             raise BenchError("the busy session streamed nothing")
         time.sleep(0.05)
-    time.sleep(BASELINE_WINDOW_S)
+    # the prompt goes once the busy session has run a while alone, and always while it has most of its
+    # reply still to stream (on a fast model the window would outlast it)
+    window_ends = time.monotonic() + BASELINE_WINDOW_S
+    while time.monotonic() < window_ends and len(busy.times) < cfg.busy_tokens // 4 and busy.is_alive():
+        time.sleep(0.01)
     sent = time.perf_counter()
     reply = stream_chat(client, model_id, messages, cfg.new_tokens)
     first = sent + reply.ttft_ms / 1000

@@ -6,12 +6,16 @@ shard computes, new steps queue up; when it is free again, whoever holds the tur
 - every queued decode step (one per session, oldest first, at most ``max_batch``; a step with
   drafted tokens brings a row for each) as one batched forward, whose results are handed out as
   soon as it ends;
-- then the oldest queued prefill chunk, alone.
+- then the oldest queued prefill chunk, alone, computed in *slices* (a layer at least, see
+  :class:`meshd.runtime.shard.PrefillRun`): after each slice, the decode steps queued meanwhile run
+  as one batch before the chunk goes on.
 
-So a session joins the batch by having a step queued and leaves it by not having one; decode steps
-wait for at most one prefill chunk (bounded by the chunk size), and a prefill chunk waits for at most
-one decode batch, so neither starves the other. Turns are taken in arrival order (a fair lock); a
-step already taken by an earlier turn only waits for its result.
+So a session joins the batch by having a step queued and leaves it by not having one; a decode step
+waits for at most one slice of a prefill chunk, and a prefill chunk for at most one decode batch per
+slice, so neither starves the other. A slice ends as soon as a decode step is queued here, and after
+``slice_s`` in any case, which hands the machine's CPU turn (:mod:`meshd.runtime.cpu_turn`) to
+other peers' decode steps as well. Turns are taken in arrival order (a fair lock); a step already
+taken by an earlier turn only waits for its result.
 
 Before a decode batch starts, the turn may *hold* it for sessions that are about to arrive. Each
 decoding session comes back once per route traversal, so the batcher knows when to expect it (its
@@ -32,13 +36,15 @@ last step plus its period). Whether waiting pays depends on where the route's ho
   pipeline stay spread.
 
 A batch is capped at ``max_batch`` sessions and, given ``latency_bound_s``, at the rows whose step
-the table expects within it. The decode stall a long prompt may cause is one prefill chunk (the
-shard's chunk limit, 512 tokens by default): the summary's ``decode_stall_bound_ms`` is the longest
-chunk computed so far, and the table keeps what chunks cost by size.
+the table expects within it. The decode stall a long prompt may cause here is one slice of a
+prefill chunk: ``slice_s``, or one layer of the chunk where a layer takes longer. The summary's
+``decode_stall_bound_ms`` is the longest slice computed so far, and the table keeps what whole
+chunks cost by size.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -49,11 +55,16 @@ from meshd.runtime.step_costs import StepCosts
 from meshd.wire.bundle import HiddenStateBundle, Phase
 
 PAYS = 0.9  # on a shared machine, rows are waited for when together they cost less than this share of apart
+SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step waits here
 
 # Each returns its outcomes and how long the compute itself took, in seconds (measured on the thread
 # that ran it), so that the batcher can tell a step's waiting from its computing.
 RunBatch = Callable[[Sequence[HiddenStateBundle]], Awaitable[tuple[list[StepResult | Exception], float]]]
 RunOne = Callable[[HiddenStateBundle], Awaitable[tuple[StepResult, float]]]
+# A prefill in slices: ``pause()`` (safe to call from the compute thread) says when a slice should end,
+# and ``between()`` is awaited after each slice but the last.
+RunPrefill = Callable[[HiddenStateBundle, Callable[[], bool], Callable[[], Awaitable[None]]],
+                      Awaitable[tuple[StepResult, float]]]
 
 
 @dataclass
@@ -67,7 +78,8 @@ class BatchStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)
     held_batches: int = 0  # decode batches held for sessions about to arrive
     held_s: float = 0.0
-    longest_prefill_s: float = 0.0  # a decode step waits behind at most one prefill chunk: the bound
+    longest_slice_s: float = 0.0  # a decode step waits behind at most one slice of a prefill chunk: the bound
+    decodes_between_slices: int = 0  # decode batches run between two slices of a prefill chunk
     costs: StepCosts = field(default_factory=StepCosts)  # this hop's step costs by size
     shared_machine: bool | None = None  # what the last hold decision took the machine to be
 
@@ -77,13 +89,15 @@ class BatchStats:
                 "prefill_chunks": self.prefill_chunks, "largest_batch": self.largest_batch,
                 "mean_batch": mean, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "held_batches": self.held_batches, "held_s": round(self.held_s, 3),
-                "decode_stall_bound_ms": round(self.longest_prefill_s * 1000, 3),
+                "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3),
+                "decodes_between_slices": self.decodes_between_slices,
                 "step_costs": self.costs.summary(), "shared_machine": self.shared_machine}
 
     def reset(self) -> None:
         """Zero the counts; the cost table is knowledge, not a count, and stays."""
         self.decode_batches = self.decode_steps = self.prefill_chunks = self.largest_batch = self.held_batches = 0
-        self.held_s = self.longest_prefill_s = 0.0
+        self.decodes_between_slices = 0
+        self.held_s = self.longest_slice_s = 0.0
         self.batch_sizes.clear()
 
 
@@ -108,6 +122,7 @@ class _Step:
     submitted: float = field(default_factory=trio.current_time)
     done: trio.Event = field(default_factory=trio.Event)
     taken: bool = False
+    waiting_turn: trio.CancelScope | None = None  # while it waits for the turn: cancelled once taken
     result: StepResult | None = None
     error: BaseException | None = None
 
@@ -139,15 +154,21 @@ class _Step:
 class StepBatcher:
     def __init__(self, run_batch: RunBatch, run_one: RunOne, *, max_batch: int = 16,
                  hold_factor: float = 1.0, latency_bound_s: float | None = None,
-                 shared_machine: Callable[[], bool] | None = None) -> None:
+                 shared_machine: Callable[[], bool] | None = None, run_prefill: RunPrefill | None = None,
+                 slice_s: float = SLICE_S) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if hold_factor < 0:
             raise ValueError("hold_factor cannot be negative")
         if latency_bound_s is not None and latency_bound_s <= 0:
             raise ValueError("the latency bound must be positive")
+        if slice_s <= 0:
+            raise ValueError("a prefill slice must last a positive time")
         self._run_batch = run_batch
         self._run_one = run_one
+        self._run_prefill = run_prefill  # None: prefill chunks run whole, through run_one
+        self.slice_s = slice_s
+        self._decodes_queued = 0  # batchable steps queued: read by the compute thread to end a slice
         self.max_batch = max_batch
         self.hold_factor = hold_factor
         self.latency_bound_s = latency_bound_s
@@ -176,17 +197,24 @@ class StepBatcher:
         self._queue.append(step)
         if step.batchable:
             self._rhythm.setdefault(step.key, _Rhythm()).arrived(step.submitted)
+            self._decodes_queued += 1
         self._arrived.set()
         self._arrived = trio.Event()
         try:
             while not step.taken:
-                async with self._turn:
-                    if not step.taken:
-                        await self._hold()
-                        await self._cycle()
+                # a step taken by another's cycle stops waiting for the turn: its result may come long
+                # before that cycle ends (a decode batch run between the slices of a prefill chunk)
+                with trio.CancelScope() as step.waiting_turn:
+                    async with self._turn:
+                        step.waiting_turn = None
+                        if not step.taken:
+                            await self._hold()
+                            await self._cycle()
+                step.waiting_turn = None
         except BaseException:
             if not step.taken:
                 self._queue.remove(step)
+                self._decodes_queued -= step.batchable
             raise
         await step.done.wait()
         if step.error is not None:
@@ -247,16 +275,19 @@ class StepBatcher:
     async def _cycle(self) -> None:
         decodes, prefill = self._take()
         if decodes:
-            self.stats.decode_batches += 1
-            self.stats.decode_steps += len(decodes)
-            self.stats.largest_batch = max(self.stats.largest_batch, len(decodes))
-            self.stats.batch_sizes[len(decodes)] = self.stats.batch_sizes.get(len(decodes), 0) + 1
-            await self._run(decodes)
+            await self._run_decodes(decodes)
         if prefill is not None:
             self.stats.prefill_chunks += 1
             await self._run([prefill])
 
-    def _take(self) -> tuple[list[_Step], _Step | None]:
+    async def _run_decodes(self, decodes: list[_Step]) -> None:
+        self.stats.decode_batches += 1
+        self.stats.decode_steps += len(decodes)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(decodes))
+        self.stats.batch_sizes[len(decodes)] = self.stats.batch_sizes.get(len(decodes), 0) + 1
+        await self._run(decodes)
+
+    def _take(self, prefill_too: bool = True) -> tuple[list[_Step], _Step | None]:
         decodes: list[_Step] = []
         prefill: _Step | None = None
         sessions: set[tuple[str, int]] = set()
@@ -270,7 +301,7 @@ class StepBatcher:
             if step.batchable and len(decodes) < self.max_batch and (not decodes or rows + step.rows <= most):
                 decodes.append(step)
                 rows += step.rows
-            elif not step.batchable and prefill is None:
+            elif not step.batchable and prefill is None and prefill_too:
                 prefill = step
             else:
                 continue
@@ -278,8 +309,34 @@ class StepBatcher:
         taken = decodes + ([prefill] if prefill is not None else [])
         for step in taken:
             step.taken = True
+            if step.waiting_turn is not None:
+                step.waiting_turn.cancel()
         self._queue = [s for s in self._queue if not s.taken]
+        self._decodes_queued -= len(decodes)
         return decodes, prefill
+
+    async def _prefill_in_slices(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
+        """One prefill chunk through ``run_prefill``: each slice ends once a decode step is queued or
+        ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next."""
+        assert self._run_prefill is not None
+        began = time.monotonic()  # for pause(), on the compute thread, which has no Trio clock
+        at = trio.current_time()
+
+        def pause() -> bool:
+            return self._decodes_queued > 0 or time.monotonic() - began >= self.slice_s
+
+        async def between() -> None:
+            nonlocal began, at
+            self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
+            decodes, _ = self._take(prefill_too=False)
+            if decodes:
+                self.stats.decodes_between_slices += 1
+                await self._run_decodes(decodes)
+            began, at = time.monotonic(), trio.current_time()
+
+        outcome = await self._run_prefill(bundle, pause, between)
+        self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
+        return outcome
 
     async def _run(self, steps: list[_Step]) -> None:
         """Compute ``steps`` and hand each its outcome; the compute is not interrupted by cancellation
@@ -288,9 +345,12 @@ class StepBatcher:
         try:
             with trio.CancelScope(shield=True):
                 try:
-                    if len(steps) == 1:
-                        result, compute_s = await self._run_one(steps[0].bundle)
+                    if len(steps) == 1 and not steps[0].batchable and self._run_prefill is not None:
+                        result, compute_s = await self._prefill_in_slices(steps[0].bundle)
                         outcomes: list[StepResult | BaseException] = [result]
+                    elif len(steps) == 1:
+                        result, compute_s = await self._run_one(steps[0].bundle)
+                        outcomes = [result]
                     else:
                         results, compute_s = await self._run_batch([s.bundle for s in steps])
                         outcomes = list(results)
@@ -304,6 +364,7 @@ class StepBatcher:
             self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
         else:
             self.costs.observe_prefill(steps[0].rows, compute_s)
-            self.stats.longest_prefill_s = max(self.stats.longest_prefill_s, compute_s)
+            if self._run_prefill is None:  # a chunk computed whole stalls decode for all of it
+                self.stats.longest_slice_s = max(self.stats.longest_slice_s, compute_s)
         for step, outcome in zip(steps, outcomes, strict=True):
             step.finish(outcome, compute_s)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -149,7 +149,7 @@ class ShardHost:
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold,
                                    latency_bound_s=batch_latency_ms / 1000 if batch_latency_ms > 0 else None,
-                                   shared_machine=MachineShare())
+                                   shared_machine=MachineShare(), run_prefill=self._run_prefill)
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                                                    prefix_kv_bytes=prefix_kv_bytes,
                                                    session_ttl_s=session_ttl_s, keep_logits=keep_logits,
@@ -186,6 +186,25 @@ class ShardHost:
 
     async def _run_one(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
         return await self.compute.run(self._in_turn, self.require_shard().forward, bundle)
+
+    async def _run_prefill(self, bundle: HiddenStateBundle, pause: Callable[[], bool],
+                           between: Callable[[], Awaitable[None]]) -> tuple[StepResult, float]:
+        """One prefill chunk in slices, each its own call on the compute thread and its own CPU turn;
+        ``between()`` runs after each slice but the last (the batcher's decode steps)."""
+        shard = self.require_shard()
+        run, computed = await self.compute.run(self._in_turn, shard.start_prefill, bundle)
+        try:
+            while True:
+                done, spent = await self.compute.run(self._in_turn, run.advance, pause)
+                computed += spent
+                if done:
+                    break
+                await between()
+            result, spent = await self.compute.run(self._in_turn, run.finish)
+        except BaseException:
+            await self.compute.run(run.abort)  # a no-op once the run has ended itself
+            raise
+        return result, computed + spent
 
     async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
         return await self.compute.run(self._in_turn, self.require_shard().forward_batch, bundles)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -251,32 +252,17 @@ class Shard:
             if isinstance(result, Exception):
                 raise result
             return result
-        x = self._check(bundle)
-        key: SessionKey = (bundle.session_id, bundle.epoch)
-        opened = bundle.start_position == 0 or bool(bundle.prefix)
-        if bundle.prefix:
-            session = self.kv.open(key, bundle.sampling or Sampling(), self._kept_prefix(bundle))
-        elif bundle.start_position == 0:
-            if bundle.phase != Phase.PREFILL:
-                raise PositionMismatch("a session starts with a prefill bundle at position 0")
-            session = self.kv.open(key, bundle.sampling or Sampling())
-        else:
-            session = self._session_at(bundle)
-        before = session.length
-        try:
-            result = self._compute_prefill(x, session, bundle)
-        except BaseException:
-            session.truncate(before)
-            if opened:
-                self.kv.release(key)
-            raise
-        session.length = session.confirmed = before + bundle.token_count
-        if key not in self.kv:  # released (client gone, hop leaving) while this step ran
-            raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
-        self.kv.commit(key)
-        if bundle.keep_prefix:
-            self.kv.keep_prefix(scoped_name(bundle.prefix_scope, bundle.keep_prefix), key)
-        return result
+        run = self.start_prefill(bundle)
+        run.advance(lambda: False)
+        return run.finish()
+
+    def start_prefill(self, bundle: HiddenStateBundle) -> PrefillRun:
+        """A prefill chunk (or a session's first bundle) ready to compute a few layers at a time; decode
+        steps of other sessions may run between its slices (see :class:`PrefillRun`)."""
+        return PrefillRun(self, bundle)
+
+    def _prefill_compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> PrefillCompute:
+        return LayerwisePrefill(self, x, session, bundle)
 
     def _kept_prefix(self, bundle: HiddenStateBundle) -> PrefixSnapshot:
         """The kept prefix the first chunk of a session continues; a cache miss when it is not kept here."""
@@ -431,23 +417,6 @@ class Shard:
     # -- compute ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _compute_prefill(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
-        start, n = bundle.start_position, bundle.token_count
-        with self.numerics.prefill():
-            hidden = self.embed(x) if self.embed is not None else x
-            hidden = hidden.unsqueeze(0)
-            position_ids = torch.arange(start, start + n, dtype=torch.long, device=self.device).unsqueeze(0)
-            masks = {w: _attention_mask(start, n, w, self.device) for w in set(self.windows)}
-            hidden = self._run_layers(hidden, position_ids, session, masks)
-            if self.lm_head is None:
-                return StepResult(hidden_states=hidden[0])
-        if not bundle.sample:
-            return StepResult()
-        with self.numerics.decode(rows=1):  # one row, as in a decode step: no upcast of the whole head
-            logits = self._logits(hidden[:, -1:, :])[0]
-        return self._sampled(logits, session.sampling, start + n)
-
-    @torch.inference_mode()
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
                         bundles: list[HiddenStateBundle]) -> list[torch.Tensor | None]:
         """One decode step over every position of ``bundles`` (one row each): per bundle its rows'
@@ -518,20 +487,155 @@ class Shard:
                     masks: dict[int | None, torch.Tensor | None]) -> torch.Tensor:
         """This shard's decoder layers over ``hidden``, with rotary tables per layer type and one
         attention mask per sliding-window size."""
-        position_embeddings = {t: self.adapter.position_embeddings(self.rotary, hidden, position_ids, t)
-                               for t in set(self.layer_types)}
-        for layer, window, layer_type in zip(self.layers, self.windows, self.layer_types, strict=True):
-            if isinstance(cache, DecodeRows):
-                cache.window = window
-            hidden = layer(
-                hidden,
-                attention_mask=masks[window],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-                position_embeddings=position_embeddings[layer_type],
-            )
+        position_embeddings = self._position_embeddings(hidden, position_ids)
+        for index in range(len(self.layers)):
+            hidden = self._run_layer(index, hidden, position_ids, cache, masks, position_embeddings)
         return hidden
+
+    def _position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        return {t: self.adapter.position_embeddings(self.rotary, hidden, position_ids, t)
+                for t in set(self.layer_types)}
+
+    def _run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | DecodeRows,
+                   masks: dict[int | None, torch.Tensor | None], position_embeddings: dict[str, Any]) -> torch.Tensor:
+        window = self.windows[index]
+        if isinstance(cache, DecodeRows):
+            cache.window = window
+        return self.layers[index](
+            hidden,
+            attention_mask=masks[window],
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=position_embeddings[self.layer_types[index]],
+        )
+
+
+class PrefillCompute(Protocol):
+    """A prefill's compute, done in slices: each :meth:`advance` runs at least one piece, then more
+    while ``stop()`` is false; it returns the step's result once the last piece ran, else None."""
+
+    def advance(self, stop: Callable[[], bool]) -> StepResult | None: ...
+
+
+class LayerwisePrefill:
+    """A prefill chunk through a shard's layers, one layer a piece. Nothing is held across slices but
+    tensors: every slice enters the numerics' mode itself, so a decode step run between two slices
+    computes exactly as it would alone, and the chunk's layers compute exactly as in one call."""
+
+    def __init__(self, shard: Shard, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> None:
+        self.shard, self.session, self.bundle = shard, session, bundle
+        start, n = bundle.start_position, bundle.token_count
+        with torch.inference_mode(), shard.numerics.prefill():
+            hidden = shard.embed(x) if shard.embed is not None else x
+            self.hidden = hidden.unsqueeze(0)
+            self.position_ids = torch.arange(start, start + n, dtype=torch.long, device=shard.device).unsqueeze(0)
+            self.masks = {w: _attention_mask(start, n, w, shard.device) for w in set(shard.windows)}
+            self.position_embeddings = shard._position_embeddings(self.hidden, self.position_ids)
+        self.next_layer = 0
+
+    def advance(self, stop: Callable[[], bool]) -> StepResult | None:
+        shard = self.shard
+        with torch.inference_mode(), shard.numerics.prefill():
+            while self.next_layer < len(shard.layers):
+                self.hidden = shard._run_layer(self.next_layer, self.hidden, self.position_ids, self.session,
+                                               self.masks, self.position_embeddings)
+                self.next_layer += 1
+                if self.next_layer < len(shard.layers) and stop():
+                    return None
+        return self._result()
+
+    @torch.inference_mode()
+    def _result(self) -> StepResult:
+        shard, bundle, hidden = self.shard, self.bundle, self.hidden
+        if shard.lm_head is None:
+            return StepResult(hidden_states=hidden[0])
+        if not bundle.sample:
+            return StepResult()
+        with shard.numerics.decode(rows=1):  # one row, as in a decode step: no upcast of the whole head
+            logits = shard._logits(hidden[:, -1:, :])[0]
+        return shard._sampled(logits, self.session.sampling, bundle.start_position + bundle.token_count)
+
+
+class WholePrefill:
+    """A prefill computed in one piece (a backend that cannot stop between layers)."""
+
+    def __init__(self, compute: Callable[[], StepResult]) -> None:
+        self._compute = compute
+
+    def advance(self, stop: Callable[[], bool]) -> StepResult | None:
+        return self._compute()
+
+
+class PrefillRun:
+    """One prefill bundle from its checks to its committed KV, computed in slices.
+
+    Opening it checks the bundle and opens (or finds) its session; :meth:`advance` computes until
+    ``stop()`` says to pause (at least one piece each time) and says whether the compute is done;
+    :meth:`finish` commits the KV and gives the result. Any error in a slice, or :meth:`abort`,
+    leaves the session as it was before the bundle, as a failed :meth:`Shard.forward` does. Between
+    slices the shard may run other sessions' decode steps: nothing of this session changes but the
+    KV of its layers already computed, which are past its length until :meth:`finish`."""
+
+    def __init__(self, shard: Shard, bundle: HiddenStateBundle) -> None:
+        self.shard, self.bundle = shard, bundle
+        self.key: SessionKey = (bundle.session_id, bundle.epoch)
+        self._result: StepResult | None = None
+        self._closed = False
+        x = shard._check(bundle)
+        self.opened = bundle.start_position == 0 or bool(bundle.prefix)
+        if bundle.prefix:
+            self.session = shard.kv.open(self.key, bundle.sampling or Sampling(), shard._kept_prefix(bundle))
+        elif bundle.start_position == 0:
+            if bundle.phase != Phase.PREFILL:
+                raise PositionMismatch("a session starts with a prefill bundle at position 0")
+            self.session = shard.kv.open(self.key, bundle.sampling or Sampling())
+        else:
+            self.session = shard._session_at(bundle)
+        self.before = self.session.length
+        try:
+            self._compute = shard._prefill_compute(x, self.session, bundle)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def advance(self, stop: Callable[[], bool]) -> bool:
+        """Compute until ``stop()`` (checked after each piece) or the end; True once the compute is done."""
+        if self._closed:
+            raise RuntimeError("this prefill has ended")
+        try:
+            self._result = self._compute.advance(stop)
+        except BaseException:
+            self.abort()
+            raise
+        return self._result is not None
+
+    def finish(self) -> StepResult:
+        """Commit the chunk's KV to the session and give its result."""
+        if self._result is None:
+            raise RuntimeError("the prefill has not finished computing")
+        shard, bundle, key = self.shard, self.bundle, self.key
+        self._closed = True
+        self.session.length = self.session.confirmed = self.before + bundle.token_count
+        if key not in shard.kv:  # released (client gone, hop leaving) while this step ran
+            raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
+        shard.kv.commit(key)
+        if bundle.keep_prefix:
+            shard.kv.keep_prefix(scoped_name(bundle.prefix_scope, bundle.keep_prefix), key)
+        return self._result
+
+    def abort(self) -> None:
+        """Undo the chunk: the session holds what it held before it (a session it opened is released)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.session.truncate(self.before)
+        if self.opened:
+            self.shard.kv.release(self.key)
 
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # config fields of mixture-of-experts models

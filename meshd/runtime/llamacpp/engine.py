@@ -39,6 +39,26 @@ class EngineOptions:
     gpu_layers: int = 0        # layers to offload when the build has a GPU backend
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles. llama.cpp then holds quantized weights in its AMX buffer type,
+    whose kernels crashed (SIGSEGV in the first decode of a q8_0 range) on such a machine, a virtual
+    one that grants the tile state; there, weights stay in plain CPU buffers."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return any(line.startswith("flags") and " amx_int8" in line for line in info)
+    except OSError:
+        return False
+
+
+def model_params(lib: Any, gpu_layers: int = 0) -> Any:
+    """llama.cpp's model parameters as meshd loads every model: ``gpu_layers`` offloaded, and no AMX
+    buffers where they crash (:func:`cpu_has_amx`)."""
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = gpu_layers
+    params.use_extra_bufts = not cpu_has_amx()
+    return params
+
+
 class RangeEngine:
     def __init__(self, path: Path, n_layers: int, is_tail: bool, options: EngineOptions) -> None:
         lib = library()
@@ -46,9 +66,7 @@ class RangeEngine:
         self.is_tail = is_tail
         self.n_layers = n_layers
         self.options = options
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = options.gpu_layers
-        model = lib.llama_model_load_from_file(str(path).encode(), params)
+        model = lib.llama_model_load_from_file(str(path).encode(), model_params(lib, options.gpu_layers))
         if not model:
             raise ModelFormatError(f"llama.cpp could not load {Path(path).name} (see the log above)")
         self.model = model

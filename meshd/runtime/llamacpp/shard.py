@@ -25,7 +25,7 @@ from meshd.runtime.kv import SessionKey, SessionKV
 from meshd.runtime.llamacpp.engine import EngineOptions, RangeEngine
 from meshd.runtime.llamacpp.range_file import range_file
 from meshd.runtime.loader import Checkpoint
-from meshd.runtime.shard import Shard, StepResult
+from meshd.runtime.shard import PrefillCompute, Shard, StepResult, WholePrefill
 from meshd.wire.bundle import HiddenStateBundle, Sampling
 
 RANGES_DIR = "llamacpp-ranges"  # range files, beside the GGUF model's link
@@ -123,8 +123,8 @@ class LlamaCppShard(Shard):
         ids = x.cpu().numpy()
         return np.asarray(quants.dequantize(self._embedding.data[ids], self._embedding.tensor_type), np.float32)
 
-    def _compute_prefill(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> StepResult:
-        return self._step(x, session, bundle)
+    def _prefill_compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> PrefillCompute:
+        return WholePrefill(lambda: self._step(x, session, bundle))  # llama.cpp runs a chunk's layers in one call
 
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
                         bundles: list[HiddenStateBundle]) -> list[torch.Tensor | None]:
