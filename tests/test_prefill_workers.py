@@ -133,3 +133,12 @@ def test_a_prefill_only_peer_is_never_placed_and_covers_nothing():
     worker = replace(offer("b2", 5, 11), prefill_only=True)
     orders = TrackerDuties("t").placement_orders([offer("a", 0, 5), worker, unplaced], now=0.0)
     assert [(o.peer_id, o.layers) for o in orders] == [("new", (5, 16))]  # the worker's layers count as uncovered
+
+
+def test_a_cards_prefill_figure_moves_only_when_the_measurement_moved_clearly():
+    from meshd.runtime.served_model import card_figure
+
+    assert card_figure(0.0, 0.0) == 0.0 and card_figure(0.0, 1234.5) == 1200.0  # first measurement
+    assert card_figure(1200.0, 1400.0) == 1200.0 and card_figure(1200.0, 1000.0) == 1200.0  # within the band
+    assert card_figure(1200.0, 1600.0) == 1600.0 and card_figure(1200.0, 900.0) == 900.0  # beyond it
+    assert card_figure(1200.0, 0.0) == 1200.0  # no measurement: the last figure stays

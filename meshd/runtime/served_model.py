@@ -67,6 +67,7 @@ class ServedModel:
         self.measured_ms = measured_ms or {}  # what choosing the numerics measured
         self.decode_tok_s = 0.0
         self.probed_prefill_tok_s = 0.0  # measured after loading; the batcher's own figure once it has one
+        self.card_prefill_tok_s = 0.0  # the figure cards carry: moved only when the measured one moved clearly
         self.load_started = False
         self.error = ""          # why no range is served, after a failed load or check
         self.checks: list[Check] = []
@@ -90,10 +91,15 @@ class ServedModel:
             layer_bytes=info.layer_bytes, edge_bytes=info.edge_bytes, context_length=info.context_length,
             numerics=info.numerics.name, shard_error=self.error, backend=info.numerics.backend,
             quantization=info.numerics.weights.removeprefix("gguf-"),
-            prefill_tok_s=_two_figures(self.host.batcher.costs.prefill_tok_s() or self.probed_prefill_tok_s),
+            prefill_tok_s=self._card_prefill_figure(),
             kv_token_bytes=shard.kv_bytes_per_token() if (shard := self.host.shard) is not None else 0,
             prefill_only=self.prefill_only,
         )
+
+    def _card_prefill_figure(self) -> float:
+        measured = self.host.batcher.costs.prefill_tok_s() or self.probed_prefill_tok_s
+        self.card_prefill_tok_s = card_figure(self.card_prefill_tok_s, measured)
+        return self.card_prefill_tok_s
 
     def accept(self, order: rpb.PlacementOrder) -> tuple[int, int] | None:
         """Check a placement order; the range to load now, or None when loading already started."""
@@ -233,6 +239,16 @@ class ServedModel:
         return encode_snapshot(snapshot, self.tier_expected(shard, key, snapshot.length), identity)
 
 
-def _two_figures(value: float) -> float:
-    """``value`` to two significant figures: a card is re-issued when it changes, not at every measurement."""
-    return float(f"{value:.2g}") if value > 0 else 0.0
+CARD_FIGURE_BAND = 1.25  # a card's speed figure follows a measurement that differs by more than this factor
+
+
+def card_figure(published: float, measured: float) -> float:
+    """What a card says of a speed last published as ``published`` once ``measured``: ``measured`` to two
+    significant figures when it differs from ``published`` by more than :data:`CARD_FIGURE_BAND` times
+    (or nothing was published), else ``published`` unchanged. A card is re-issued when it changes, and
+    a smoothed figure that wanders a few percent is no news to a route or a cost estimate."""
+    if measured <= 0:
+        return published
+    if published > 0 and published / CARD_FIGURE_BAND <= measured <= published * CARD_FIGURE_BAND:
+        return published
+    return float(f"{measured:.2g}")

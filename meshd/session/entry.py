@@ -515,7 +515,7 @@ class EntrySessions:
         if prefix is not None:
             self.prefix_stats["reused"] += 1
             self.prefix_stats["reused_tokens"] += prefix.position
-            if prefix.holders == ():  # the workers' prefix: no route was asked to keep it
+            if prefix.from_workers:
                 self.worker_stats.used += 1
                 self.worker_stats.tokens += prefix.position
 
@@ -579,12 +579,12 @@ class EntrySessions:
                             pass
         except Exception as exc:  # SessionFailed, or a fault here: either way the route prefills it all
             self.worker_stats.failed += 1
-            log.info("session %s: the prefill workers failed (%s); the route prefills the whole prompt",
+            log.warning("session %s: the prefill workers failed (%s); the route prefills the whole prompt",
                      gen.session_id, exc)
             return None
         upstreams = [self.peer_id, *(h.peer_id for h in plan.hops[:-1])]
         sources = [(w.peer_id, up) for w, up in zip(plan.hops, upstreams, strict=True)]
-        return KnownPrefix(plan.cut, names[plan.cut], ()), sources
+        return KnownPrefix(plan.cut, names[plan.cut], (), from_workers=True), sources
 
     def _kept_prefixes(self, plan: SessionPlan) -> None:
         if plan.prefixes is None:

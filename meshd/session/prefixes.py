@@ -116,6 +116,7 @@ class KnownPrefix:
     position: int
     name: bytes
     holders: Holders
+    from_workers: bool = False  # computed by prefill workers for this prompt, not kept by an earlier route
 
 
 class PrefixMap:
