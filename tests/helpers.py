@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from meshd.runtime.numerics import Numerics, onednn_available
+
 _MODELS: dict[Path, torch.nn.Module] = {}
+
+# fp32 linears through oneDNN, decode in its band of two rows and more (meshd.runtime.numerics)
+ONEDNN = Numerics(torch.float32, prefill_onednn=True, decode_onednn=True, decode_rows=2, decode_max_rows=32)
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear here")
 
 
 def reference_model(model_dir: Path):

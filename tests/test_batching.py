@@ -19,6 +19,7 @@ from meshd.runtime.numerics import TILE_ROWS, Numerics
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 from tests.archs import ARCHS
+from tests.helpers import ONEDNN, needs_onednn
 
 N_LAYERS = 4
 # Prompt lengths differ so the sessions' KV lengths differ (some beyond mistral-window's window of 12).
@@ -39,8 +40,10 @@ NUMERICS = {
     "float32-tiles": Numerics(torch.float32, decode_rows=TILE_ROWS),
     "bfloat16": Numerics(torch.bfloat16, prefill_fp32=True),
     "float16-tiles": Numerics(torch.float16, prefill_fp32=True, decode_fp32=True, decode_rows=TILE_ROWS),
+    "float32-onednn": ONEDNN,
 }
 CASES = [(arch, n) for arch in sorted(ARCHS) for n in ("float32", "bfloat16")]
+CASES += [pytest.param(arch, "float32-onednn", marks=needs_onednn) for arch in sorted(ARCHS)]
 CASES += [(arch, n) for arch in ("llama", "gemma2", "qwen3-moe") for n in ("float32-tiles", "float16-tiles")]
 
 
@@ -499,7 +502,9 @@ def test_the_machine_counts_as_shared_while_other_processes_fill_its_cores(monke
 # -- prefill in slices -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("arch", "numerics"), [(arch, n) for arch in sorted(ARCHS) for n in ("float32", "bfloat16")])
+@pytest.mark.parametrize(("arch", "numerics"),
+                         [(arch, n) for arch in sorted(ARCHS) for n in ("float32", "bfloat16")]
+                         + [pytest.param(arch, "float32-onednn", marks=needs_onednn) for arch in sorted(ARCHS)])
 def test_a_prefill_in_slices_with_decode_steps_between_computes_what_one_call_does(adapter_models, arch, numerics):
     """A chunk computed a layer at a time, with another session's decode step run between every two
     layers, gives the logits one call gives, and so does the decoding session, bit for bit."""

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from meshd.errors import ShapeMismatch
 from meshd.models.builtin import BUILTIN_MODELS, make_config, write_model
 from meshd.runtime.chain import LocalChain
-from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics
+from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics, onednn_available
 from meshd.runtime.shard import Shard
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Phase
 from tests.archs import ARCHS
-from tests.helpers import PROMPT
+from tests.helpers import ONEDNN, PROMPT, needs_onednn, reference_generate
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="no CUDA device on this machine"))]
@@ -33,15 +33,19 @@ def on(numerics: Numerics, device: str) -> Numerics:
 @pytest.mark.parametrize("dtype", sorted(HALF))
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_a_split_equals_one_process_bit_for_bit_at_each_dtype(adapter_models, arch, dtype, device):
-    numerics = on(HALF[dtype], device)
-    model_dir = adapter_models[arch]
+    whole = _whole_equals_split(adapter_models[arch], on(HALF[dtype], device))
+    assert all(torch.isfinite(x).all() for x in whole.logits)
+
+
+def _whole_equals_split(model_dir, numerics: Numerics):
+    """16 greedy tokens of the whole model in one shard, checked bit for bit against three shards."""
     whole = LocalChain([Shard(model_dir, 0, 4, numerics=numerics, keep_logits=True)]).generate(PROMPT, 16,
                                                                                                 chunk_tokens=7)
     split = LocalChain([Shard(model_dir, s, e, numerics=numerics, keep_logits=True)
                         for s, e in [(0, 1), (1, 3), (3, 4)]]).generate(PROMPT, 16, chunk_tokens=7)
     assert split.tokens == whole.tokens
     assert all(torch.equal(a, b) for a, b in zip(split.logits, whole.logits, strict=True))
-    assert all(torch.isfinite(x).all() for x in whole.logits)
+    return whole
 
 
 def test_weights_and_the_seam_hold_the_dtype_asked_for(tiny_model):
@@ -179,3 +183,76 @@ def test_a_band_name_round_trips_and_tiles_stay_inside_it():
     assert band_tiles(1, (2, 15)) == [2] and band_tiles(15, (2, 15)) == [15]
     assert band_tiles(16, (2, 15)) == [8, 8] and band_tiles(31, (2, 15)) == [11, 10, 10]
     assert band_tiles(13, (8, 8)) == [8, 8] and band_tiles(5, (1, 1)) == [1] * 5
+
+
+# -- oneDNN linears -------------------------------------------------------------------------------------
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_split_computing_through_onednn_equals_one_process_bit_for_bit(adapter_models, arch):
+    model_dir = adapter_models[arch]
+    whole = _whole_equals_split(model_dir, ONEDNN)
+    reference, _ = reference_generate(model_dir, PROMPT, 16)
+    close = Shard(model_dir, 0, 4, keep_logits=True)  # torch's own kernels: other last bits, the same model
+    default = LocalChain([close]).generate(PROMPT, 16, chunk_tokens=7)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(whole.logits, default.logits, strict=True))
+    assert default.tokens == reference
+
+
+@needs_onednn
+def test_a_onednn_row_is_the_same_alone_in_any_batch_and_in_a_prefill():
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(300, 70, generator=gen), torch.randn(300, generator=gen)
+    batch = torch.randn(45, 70, generator=gen)  # more rows than the band's top: tiles
+    with ONEDNN.decode():
+        alone = [F.linear(batch[i : i + 1], weight, bias) for i in range(45)]
+        together = F.linear(batch, weight, bias)
+        shuffled = F.linear(batch.flip(0), weight, bias).flip(0)
+    with ONEDNN.decode(rows=2):
+        pair = F.linear(batch[:2], weight, bias)
+    with ONEDNN.prefill():
+        chunk = F.linear(batch.unsqueeze(0), weight, bias)[0]
+    assert all(torch.equal(alone[i][0], together[i]) and torch.equal(together[i], shuffled[i]) for i in range(45))
+    assert torch.equal(pair, together[:2]) and torch.equal(chunk, together)
+    assert torch.allclose(together, F.linear(batch, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_onednn_class_name_round_trips_and_is_refused_where_it_cannot_run():
+    from meshd.runtime.numerics import numerics_from_name
+
+    assert ONEDNN.name == "cpu/float32/prefill-onednn/decode-onednn-rows2-32"
+    if onednn_available():
+        assert numerics_from_name(ONEDNN.name, "cpu") == ONEDNN
+    with pytest.raises(ValueError, match="oneDNN linears compute float32 on the CPU"):
+        numerics_from_name("cpu/bfloat16/prefill-onednn/decode-native-rows1", "cpu")
+
+
+def _ways(timings: dict[str, tuple[float, float]], band: tuple[int, int] = (2, 32)):
+    """``choose`` over fake timers: per class name ``(lone step, step of TILE_ROWS)`` seconds."""
+    from meshd.runtime.numerics import choose
+
+    def lone(n: Numerics) -> float:
+        return timings[n.name][0]
+
+    def batch(n: Numerics) -> float:
+        return timings[n.name][1]
+
+    return choose(Numerics(torch.float32), lambda n: 1.0 if n.prefill_onednn else 2.0, lone, batch,
+                  lambda n: band if n.decode_onednn else (1, 1), onednn=True)
+
+
+def test_onednn_decode_is_chosen_where_its_batches_are_faster_and_a_lone_session_pays_little():
+    rows1 = "cpu/float32/prefill-onednn/decode-native-rows1"
+    tiles = f"cpu/float32/prefill-onednn/decode-native-rows{TILE_ROWS}"
+    dnn1 = "cpu/float32/prefill-onednn/decode-onednn-rows1"
+    band = "cpu/float32/prefill-onednn/decode-onednn-rows2-32"
+    fast = _ways({rows1: (1.0, 8.0), tiles: (3.0, 3.0), dnn1: (0.7, 5.6), band: (0.9, 1.2)})
+    assert fast.numerics.name == band and fast.numerics.prefill_onednn
+    assert f"decode x{TILE_ROWS} {band}" in fast.measured_ms
+    # a band that costs a lone session more than BAND_LIMIT of torch's own one-row step is not taken
+    slow_alone = _ways({rows1: (1.0, 8.0), tiles: (3.0, 3.0), dnn1: (0.7, 5.6), band: (1.6, 1.2)})
+    assert slow_alone.numerics.name == dnn1
+    # where batches gain less than MARGIN, torch's own way stays
+    even = _ways({rows1: (1.0, 2.0), tiles: (3.0, 3.0), dnn1: (1.0, 1.9), band: (1.1, 1.8)})
+    assert even.numerics.name == rows1

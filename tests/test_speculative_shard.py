@@ -18,6 +18,7 @@ from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Sampling
 from tests.archs import ARCHS
+from tests.helpers import ONEDNN, needs_onednn
 
 N_LAYERS = 4
 PROMPTS = [[(5 * i + 7 * j) % 190 + 9 for j in range(n)] for i, n in enumerate((4, 13, 9))]
@@ -96,10 +97,12 @@ def _check(mine: _Speculating, truth: tuple[list[int], list[torch.Tensor]]) -> N
 CASES = [(arch, "float32") for arch in sorted(ARCHS)]
 CASES += [(arch, "float32-tiles") for arch in ("llama", "gemma2", "mistral-window")]
 CASES += [("llama", "bfloat16")]
+CASES += [pytest.param(arch, "float32-onednn", marks=needs_onednn) for arch in ("llama", "qwen3-moe", "mistral-window")]
 NUMERICS = {
     "float32": Numerics(torch.float32),
     "float32-tiles": Numerics(torch.float32, decode_rows=TILE_ROWS),
     "bfloat16": Numerics(torch.bfloat16, prefill_fp32=True),
+    "float32-onednn": ONEDNN,
 }
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from meshd.runtime.numerics import Numerics
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,18 @@ class Baseline:
     """The whole model loaded once in this process; :meth:`measure` times greedy generation of exactly
     ``new_tokens`` (no EOS stop) per token, as often as asked (the benchmark measures it again
     between meshes, so that every mesh is compared with a baseline taken next to it in time). With
-    ``int8``, its linears compute as the peers' do at ``--dtype int8`` (:mod:`meshd.runtime.int8`)."""
+    ``int8``, its linears compute as the peers' do at ``--dtype int8`` (:mod:`meshd.runtime.int8`); with
+    ``numerics``, as peers of that class do where their kernels are not torch's own
+    (:func:`meshd.runtime.numerics.linears_like`), so that its tokens compare like with like."""
 
     def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None,
-                 int8: bool = False) -> None:
+                 int8: bool = False, numerics: Numerics | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
 
+        self.numerics = numerics
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
         if int8:
             quantize_linears(self.model)
@@ -82,7 +89,7 @@ class Baseline:
         config = GenerationConfig(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=self.model.config.pad_token_id)
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._linears():
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
         wall = time.perf_counter() - started
         return batch * (out.shape[1] - len(self.prompt_ids)) / wall
@@ -94,9 +101,14 @@ class Baseline:
         input_ids = torch.tensor([self.prompt_ids])
         config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                                   pad_token_id=self.model.config.pad_token_id)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._linears():
             return self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                        generation_config=config, streamer=streamer)
+
+    def _linears(self) -> AbstractContextManager[object]:
+        from meshd.runtime.numerics import linears_like
+
+        return linears_like(self.numerics) if self.numerics is not None else nullcontext()
 
     def measure(self, runs: int) -> BaselineResult:
         import torch

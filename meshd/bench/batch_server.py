@@ -25,10 +25,13 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from meshd.runtime.numerics import Numerics, linears_like
 
 GATHER_S = 0.005  # a batch waits this long after its first request for others sent with it
 
@@ -53,9 +56,11 @@ class _Pending:
 class OneProcessServer:
     """The model loaded once; :meth:`serve` blocks its caller until the request is answered."""
 
-    def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True) -> None:
+    def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True,
+                 numerics: Numerics | None = None) -> None:
         from transformers import AutoTokenizer
 
+        self.numerics = numerics  # its linears compute as peers of this class do (linears_like)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model: Any = None
         pad = self.tokenizer.pad_token_id
@@ -182,6 +187,6 @@ class OneProcessServer:
         config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None,
                                   pad_token_id=self.pad_token_id)
         self.batch_sizes[len(batch)] += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), linears_like(self.numerics) if self.numerics is not None else nullcontext():
             self.model.generate(input_ids, attention_mask=mask, generation_config=config,
                                 logits_processor=LogitsProcessorList([Stamps()]))

@@ -229,6 +229,14 @@ def format_summary(report: dict) -> str:
     brackets = ", ".join(f"{k} peer{'s' if k != '1' else ''} {v:.2f}"
                          for k, v in report["baseline_tok_s_by_peers"].items())
     lines.append(f"each ratio is against the baseline runs just before and after that mesh (tok/s): {brackets}")
+    default = report.get("transformers_default")
+    if default:
+        over = ", ".join(f"{k} peer{'s' if k != '1' else ''} {_fmt(v)}x"
+                         for k, v in default["mesh_over_default"].items())
+        ceiling = "".join(f", batch {c} {v:.2f}" for c, v in default["ceiling_tok_s"].items())
+        lines.append(f"the baseline computes its linears as the peers do ({report.get('numerics')}); with torch's own "
+                     f"kernels transformers ran {default['decode_tok_s']:.2f} tok/s (TTFT {default['ttft_ms']:.1f} ms"
+                     f"{ceiling}) before the meshes: baseline {_fmt(default['baseline_over_default'])}x, {over} of it")
     wake = report.get("wakeup")
     if wake:
         thread, process = wake["thread_handoff_us"], wake["process_round_trip_us"]

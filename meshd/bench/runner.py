@@ -42,6 +42,7 @@ from meshd.links.calibrate import calibrate
 from meshd.links.profiles import LinkShape
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
 from meshd.progress import Progress, progress
+from meshd.runtime.numerics import Numerics
 
 Say = Callable[[str], None]
 
@@ -304,24 +305,29 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
 
     held = resolve_dtype(cfg.dtype, model_dir)
     int8 = cfg.dtype == INT8
+    classes = PeerClasses(model_dir)
     say(f"dtype: {cfg.dtype if int8 else held} (the peers' --dtype {cfg.dtype}; transformers computes the "
-        "baseline so)")
+        f"baseline so); the peers compute as {classes.of(cfg.dtype).name}, measured here and pinned")
 
-    def reference(dtype: Any, int8: bool, label: str = "") -> Reference:
-        base = Baseline(model_dir, prompt.ids, cfg.new_tokens, dtype=dtype, int8=int8)
+    def reference(dtype: Any, int8: bool, setting: str, label: str = "") -> Reference:
+        base = Baseline(model_dir, prompt.ids, cfg.new_tokens, dtype=dtype, int8=int8, numerics=classes.of(setting))
         first = base.measure(cfg.runs)
         say(f"baseline{label}: {first.decode_tok_s:.2f} tok/s, TTFT {first.ttft_ms:.1f} ms")
         return Reference(base, [first], tokenizer.decode(first.token_ids, skip_special_tokens=True))
 
-    references = {"": reference(held, int8)}
+    default_kernels = None
+    if classes.of(cfg.dtype).prefill_onednn or classes.of(cfg.dtype).decode_onednn:
+        default_kernels = transformers_default(model_dir, prompt.ids, held, cfg, say)
+    references = {"": reference(held, int8, cfg.dtype)}
     measured = references[""].measured
 
     draft_dir = resolve_model(cfg.draft_model, say) if cfg.draft_model else None
     setups = speculative_setups(cfg, draft_dir)
     if int8:  # the plain loopback meshes again in float32, each against one float32 process
-        references[FLOAT32] = reference(torch.float32, False, f" ({FLOAT32})")
+        references[FLOAT32] = reference(torch.float32, False, FLOAT32, f" ({FLOAT32})")
         setups.append(replace(setups[0], label=FLOAT32, flags=_with_dtype(setups[0].flags, FLOAT32),
                               reference=FLOAT32))
+    setups = [replace(setup, flags=classes.pinned(setup.flags)) for setup in setups]
     by_setup = _bracketed_meshes(setups, model_dir, model_id, n_layers, prompt, references, cfg, say)
     meshes = by_setup[""]
     baseline = _pooled(measured)
@@ -336,7 +342,10 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     }
     meta["speculative"] = setups[0].speculative
     meta["draft_model"] = draft_dir.name if draft_dir is not None else None
+    meta["baseline_linears"] = "the peers'" if default_kernels is not None else "torch's own"
     report = build_report(meta, baseline, meshes)
+    if default_kernels is not None:
+        report["transformers_default"] = default_kernels.summary(report)
 
     def variants(link: LinkShape | None) -> list[tuple[dict, list]]:
         return [({"link": s.link_label, "speculative": s.speculative}, by_setup[s.label]) for s in setups
@@ -358,6 +367,55 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
 
 
 FLOAT32 = "float32"
+
+
+class PeerClasses:
+    """The numerics class a peer of each ``--dtype`` would measure for the model on this machine,
+    measured once here: the bench pins its peers to it (``--numerics``), so that a burst of load while
+    they start cannot split them into classes that share no route, and its one process computes
+    like them (:func:`meshd.runtime.numerics.linears_like`)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._chosen: dict[str, Numerics] = {}
+
+    def of(self, dtype: str) -> Numerics:
+        if dtype not in self._chosen:
+            from meshd.runtime.model_info import choose_numerics
+
+            self._chosen[dtype] = choose_numerics(self.model_dir, dtype).numerics
+        return self._chosen[dtype]
+
+    def pinned(self, flags: tuple[str, ...]) -> tuple[str, ...]:
+        """The peers' flags with ``--numerics`` naming the class of their ``--dtype``."""
+        return (*flags, "--numerics", self.of(flags[flags.index("--dtype") + 1]).name)
+
+
+@dataclass(frozen=True)
+class DefaultKernels:
+    """transformers with torch's own kernels, where the peers compute otherwise (oneDNN): measured
+    once before the meshes, for what meshd's choice of kernels gives over plain transformers."""
+
+    measured: BaselineResult
+    ceiling_tok_s: dict[int, float]
+
+    def summary(self, report: dict) -> dict[str, Any]:
+        tok_s = self.measured.decode_tok_s
+        return {"decode_tok_s": round(tok_s, 2), "ttft_ms": round(self.measured.ttft_ms, 1),
+                "ceiling_tok_s": {str(c): round(v, 2) for c, v in self.ceiling_tok_s.items()},
+                "baseline_over_default": round(report["baseline_tok_s"] / tok_s, 3) if tok_s else None,
+                "mesh_over_default": {k: round(v / tok_s, 3) if tok_s else None
+                                      for k, v in report["mesh_tok_s"].items()}}
+
+
+def transformers_default(model_dir: Path, prompt_ids: list[int], dtype: Any, cfg: BenchConfig,
+                         say: Say) -> DefaultKernels:
+    base = Baseline(model_dir, prompt_ids, cfg.new_tokens, dtype=dtype)
+    measured = base.measure(cfg.runs)
+    ceiling = {c: base.batched_tok_s(c) for c in sorted(cfg.concurrency) if c > 1}
+    say(f"transformers with torch's own kernels (once, for comparison): {measured.decode_tok_s:.2f} tok/s, TTFT "
+        f"{measured.ttft_ms:.1f} ms" + "".join(f", batch {c}: {v:.2f} tok/s" for c, v in ceiling.items()))
+    return DefaultKernels(measured, ceiling)
 
 
 def _with_dtype(flags: tuple[str, ...], dtype: str) -> tuple[str, ...]:

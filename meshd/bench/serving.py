@@ -36,17 +36,20 @@ from typing import Any
 from meshd.bench.batch_server import OneProcessServer, Served
 from meshd.bench.runner import (
     BenchError,
+    PeerClasses,
     Say,
     Setup,
     machine_meta,
     quiet_transformers,
     running_mesh,
     splittable_model,
+    wait_for_speed_checks,
     written_report,
 )
 from meshd.bench.workload import Prompt, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
 from meshd.progress import progress
+from meshd.runtime.numerics import Numerics
 from meshd.stats import percentile
 
 PROMPT_TOKENS = (32, 64, 128, 256, 512)
@@ -343,26 +346,28 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
     if load_start > 0.5:
         say(f"note: 1-minute load average is {load_start:.2f} before starting; other work skews the figures")
     held = resolve_dtype(cfg.dtype, model_dir)
+    classes = PeerClasses(model_dir)
     threads = torch.get_num_threads()
     clients = sorted(cfg.clients)
     n_rates = len(cfg.rates) or len(RATE_FRACTIONS)
     say(f"serving {model_id} ({str(held).removeprefix('torch.')}, {threads} torch threads): {cfg.requests} requests "
         f"per load, seed {cfg.seed}, {sum(len(r.prompt.ids) for r in requests)} prompt + "
-        f"{sum(r.new_tokens for r in requests)} new tokens in all")
+        f"{sum(r.new_tokens for r in requests)} new tokens in all; the peers compute as "
+        f"{classes.of(cfg.dtype).name}, measured here and pinned")
     reference: dict[int, str] = {}
     servers: dict[str, dict] = {}
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-serve-"))
     try:
         with progress("serve", (len(clients) + n_rates) * (1 + len(cfg.peers)), "loads",
                       say=lambda _line: None) as bar:
-            servers[ONE_PROCESS], rates = _serve_one_process(model_dir, held, threads, cfg, requests, reference,
-                                                             say, bar.advance)
+            servers[ONE_PROCESS], rates = _serve_one_process(model_dir, held, classes.of(cfg.dtype), threads, cfg,
+                                                             requests, reference, say, bar.advance)
             gc.collect()  # the one process's model, before the peers load theirs
             loads = [Load("closed", c) for c in clients] + [Load("poisson", r) for r in rates]
             for k in sorted(cfg.peers):
                 servers[str(k)] = _serve_mesh(model_dir, model_id, even_ranges(n_layers, k), threads,
-                                              workdir / f"serve-peers{k}", cfg, requests, loads, reference,
-                                              say, bar.advance)
+                                              workdir / f"serve-peers{k}", cfg, classes, requests, loads,
+                                              reference, say, bar.advance)
     except Exception:
         say(f"peer logs kept in {workdir}")
         raise
@@ -384,15 +389,17 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
             "replies_identical": all(f["replies_identical"] == f["requests"] for f in every)}
 
 
-def _serve_one_process(model_dir: Path, dtype: Any, threads: int, cfg: ServeConfig, requests: list[ServeRequest],
-                       reference: dict[int, str], say: Say, advance: Callable[[], None]) -> tuple[dict, list[float]]:
-    """Every load on the one-process server, closed loops first: its figures and the Poisson rates, which
-    without ``cfg.rates`` are fractions of its closed-loop capacity."""
+def _serve_one_process(model_dir: Path, dtype: Any, numerics: Numerics, threads: int, cfg: ServeConfig,
+                       requests: list[ServeRequest], reference: dict[int, str], say: Say,
+                       advance: Callable[[], None]) -> tuple[dict, list[float]]:
+    """Every load on the one-process server (its linears as the peers', ``numerics``), closed loops
+    first: its figures and the Poisson rates, which without ``cfg.rates`` are fractions of its
+    closed-loop capacity."""
     clients = sorted(cfg.clients)
     poisson_batch = max(clients)
     say(f"one process: loading {model_dir.name}, batches of up to the closed-loop level, {poisson_batch} under "
         "Poisson arrivals")
-    with OneProcessServer(model_dir, dtype, threads) as server:
+    with OneProcessServer(model_dir, dtype, threads, numerics=numerics) as server:
         target = _one_process_target(server, poisson_batch)
         closed = run_loads(target, [Load("closed", c) for c in clients], requests, cfg.seed, reference, say,
                            advance)["closed"]
@@ -407,10 +414,10 @@ def _serve_one_process(model_dir: Path, dtype: Any, threads: int, cfg: ServeConf
 
 
 def _serve_mesh(model_dir: Path, model_id: str, ranges: list[tuple[int, int]], threads: int, workdir: Path,
-                cfg: ServeConfig, requests: list[ServeRequest], loads: list[Load], reference: dict[int, str],
-                say: Say, advance: Callable[[], None]) -> dict:
+                cfg: ServeConfig, classes: PeerClasses, requests: list[ServeRequest], loads: list[Load],
+                reference: dict[int, str], say: Say, advance: Callable[[], None]) -> dict:
     """Every load through a mesh holding ``ranges``, each hop's batch counts reset before each load."""
-    setup = Setup("", ("--dtype", cfg.dtype))
+    setup = Setup("", classes.pinned(("--dtype", cfg.dtype)))
     with running_mesh(model_dir, model_id, ranges, threads, workdir, say, setup) as mesh:
         def serve(request: ServeRequest) -> Served:
             got = stream_completion(mesh.client, model_id, request.prompt.text, request.new_tokens)
@@ -421,6 +428,7 @@ def _serve_mesh(model_dir: Path, model_id: str, ranges: list[tuple[int, int]], t
                 hop.get("/stats?reset=1")
 
         serve(ServeRequest(-1, requests[0].prompt, 4))  # warm-up: connections, routes, first-call allocations
+        wait_for_speed_checks(mesh.peers[0], say)
         k = len(ranges)
         target = Target(f"mesh of {k}", serve, begin, lambda: [hop.get("/stats")["batches"] for hop in mesh.hops])
         figures = run_loads(target, loads, requests, cfg.seed, reference, say, advance)

@@ -34,6 +34,16 @@ for three, 70 ms for four and 86 ms for eight. So there decode runs in the band 
 session pays 7 % for its padding row, and eight sessions share one step that costs 2.6 times one
 row instead of eight times.
 
+Which library computes an fp32 linear is a choice too. torch sends ``F.linear`` to MKL, whose GEMMs
+are far from the memory's speed on some CPUs: on a 2-core AMD EPYC (AVX-512) machine the bench
+layer's MLP projection (2816 x 1024) takes 680-900 us for one row and 1090 us for eight, where
+oneDNN's (``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over the same weights) takes 450 us
+and 600 us, and a 512-token prefill of the whole bench model 650-780 ms against 1160-1280 ms. oneDNN
+also computes every row of a GEMM of two rows or more bit for bit alike, at any row count measured
+(2 to 1100) and any position, so its band has no top worth the name: decode batches and prefill chunks
+compute each row as a two-row step does. Its one-row GEMM takes another path, so a lone session is
+padded to two rows, as in any band whose bottom is 2.
+
 The choice is part of the shard's numerics class, which the compat key covers: hops of one route
 compute the same way, so a split run equals one process bit for bit.
 """
@@ -71,6 +81,8 @@ class Numerics:
     device: str = "cpu"
     prefill_fp32: bool = False  # prefill linears as fp32 GEMMs of upcast weights (bf16/fp16 held)
     decode_fp32: bool = False   # decode linears the same way
+    prefill_onednn: bool = False  # prefill linears (fp32 held) computed by oneDNN instead of torch's default
+    decode_onednn: bool = False   # decode linears the same way
     decode_rows: int = 1        # decode linears run in GEMMs of at least this many rows
     decode_max_rows: int = 0    # ... and at most this many (0: exactly decode_rows)
     backend: str = "torch"      # or "llama.cpp": ggml computes the layers (the fields above do not apply)
@@ -104,8 +116,8 @@ class Numerics:
         """A stable name of the class, for cards, status and the compat key."""
         if self.backend == "llama.cpp":
             return f"llama.cpp/{self.device_kind}/{self.weights or 'gguf'}"
-        prefill = "fp32" if self.prefill_fp32 else "native"
-        decode = "fp32" if self.decode_fp32 else "native"
+        prefill = _way(self.prefill_fp32, self.prefill_onednn)
+        decode = _way(self.decode_fp32, self.decode_onednn)
         low, high = self.decode_band
         rows = f"{low}" if high == low else f"{low}-{high}"
         name = f"{self.device_kind}/{self.dtype_name}/prefill-{prefill}/decode-{decode}-rows{rows}"
@@ -113,7 +125,9 @@ class Numerics:
 
     def prefill(self) -> AbstractContextManager[object]:
         upcast = self.prefill_fp32 and self.dtype != torch.float32
-        return _Linears(rows=None, upcast=True) if upcast else nullcontext()
+        if upcast or self.prefill_onednn:
+            return _Linears(rows=None, upcast=upcast, onednn=self.prefill_onednn)
+        return nullcontext()
 
     def decode(self, rows: int | None = None) -> AbstractContextManager[object]:
         """The mode of a decode step of ``rows`` rows (None: not known). A step whose row count is
@@ -122,9 +136,23 @@ class Numerics:
         decode step of the whole bench model on the development machine)."""
         upcast = self.decode_fp32 and self.dtype != torch.float32
         low, high = self.decode_band
-        if rows is not None and low <= rows <= high and not upcast:
+        if rows is not None and low <= rows <= high and not upcast and not self.decode_onednn:
             return nullcontext()
-        return _Linears(rows=self.decode_band, upcast=upcast)
+        return _Linears(rows=self.decode_band, upcast=upcast, onednn=self.decode_onednn)
+
+
+def linears_like(numerics: Numerics) -> AbstractContextManager[object]:
+    """The mode in which a model outside a shard (transformers' ``generate()``, one call for a prompt
+    and its tokens alike) computes its linears as peers of ``numerics`` do, where theirs are not
+    torch's own kernels: through oneDNN, every row as in their decode steps (a oneDNN GEMM of two rows
+    or more computes each row as a two-row one does, so a prompt's rows match theirs too). Elsewhere
+    nothing changes: torch's kernels are the peers' already, or the difference is the peers' band of
+    rows, which a reference computed the plain way shows."""
+    if numerics.decode_onednn:
+        return numerics.decode()
+    if numerics.prefill_onednn:
+        return numerics.prefill()
+    return nullcontext()
 
 
 def numerics_from_name(name: str, device: str) -> Numerics:
@@ -143,21 +171,61 @@ def numerics_from_name(name: str, device: str) -> Numerics:
             raise ValueError("it is not a torch numerics class")
         decode_way, rows = decode.removeprefix("decode-").split("-rows")
         low, _, high = rows.partition("-")
-        ways = {"fp32": True, "native": False}
-        prefill_way = prefill.removeprefix("prefill-")
-        numerics = Numerics(dtype=DTYPES[dtype_name], device=device, prefill_fp32=ways[prefill_way],
-                            decode_fp32=ways[decode_way], decode_rows=int(low),
-                            decode_max_rows=int(high) if high else 0, weights=weights)
+        prefill_fp32, prefill_onednn = WAYS[prefill.removeprefix("prefill-")]
+        decode_fp32, decode_onednn = WAYS[decode_way]
+        numerics = Numerics(dtype=DTYPES[dtype_name], device=device, prefill_fp32=prefill_fp32,
+                            decode_fp32=decode_fp32, prefill_onednn=prefill_onednn, decode_onednn=decode_onednn,
+                            decode_rows=int(low), decode_max_rows=int(high) if high else 0, weights=weights)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"numerics class {name!r} cannot run here: {exc}") from None
     if numerics.name != name:
         raise ValueError(f"numerics class {name!r} is not one this version of meshd writes")
+    if numerics.prefill_onednn or numerics.decode_onednn:
+        if numerics.dtype != torch.float32 or numerics.device_kind != "cpu":
+            raise ValueError(f"numerics class {name!r} cannot run here: oneDNN linears compute float32 on the CPU")
+        if not onednn_available():
+            raise ValueError(f"numerics class {name!r} cannot run here: this torch build has no oneDNN linear")
     from meshd.runtime.int8 import available as int8_available
 
     if numerics.int8 and (numerics.dtype != torch.float32 or not int8_available()):
         raise ValueError(f"numerics class {name!r} cannot run here: int8 compute needs float32 activations and "
                          "fbgemm (an x86 CPU build of torch)")
     return numerics
+
+
+WAYS = {"native": (False, False), "fp32": (True, False), "onednn": (False, True)}  # name -> (upcast, oneDNN)
+
+
+def _way(upcast: bool, onednn: bool) -> str:
+    """How a phase's linears run, as the class name says it: in the held dtype by torch's default
+    kernels (``native``), upcast to fp32 (``fp32``), or by oneDNN (``onednn``, fp32 held)."""
+    return "onednn" if onednn else "fp32" if upcast else "native"
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` computed by oneDNN's GEMM over the plain weight (no packed copy is kept)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat if flat.is_contiguous() else flat.contiguous(), weight, bias,
+                                             "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_onednn_works: bool | None = None
+
+
+def onednn_available() -> bool:
+    """Whether this torch computes fp32 linears through oneDNN here (a build with it, on a CPU it
+    supports): checked once, by computing one against ``F.linear``."""
+    global _onednn_works
+    if _onednn_works is None:
+        try:
+            gen = torch.Generator().manual_seed(0)
+            x, w = torch.randn(3, 40, generator=gen), torch.randn(24, 40, generator=gen)
+            _onednn_works = bool(torch.backends.mkldnn.is_available()) and torch.allclose(
+                _onednn_linear(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-5)
+        except (RuntimeError, AttributeError):
+            _onednn_works = False
+    return _onednn_works
 
 
 def band_tiles(n: int, band: tuple[int, int]) -> list[int]:
@@ -175,10 +243,11 @@ def band_tiles(n: int, band: tuple[int, int]) -> list[int]:
 class _Linears(TorchFunctionMode):
     """Runs every ``F.linear`` of a step as the numerics say: in row tiles of the band, in fp32, or both."""
 
-    def __init__(self, rows: tuple[int, int] | None, upcast: bool) -> None:
+    def __init__(self, rows: tuple[int, int] | None, upcast: bool, onednn: bool = False) -> None:
         super().__init__()
         self.rows = rows
         self.upcast = upcast
+        self.onednn = onednn
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -192,9 +261,12 @@ class _Linears(TorchFunctionMode):
             return self._linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
         n = flat.shape[0]
+        sizes = band_tiles(n, self.rows)
+        if sizes == [n]:  # one GEMM the band allows: nothing to cut or pad
+            return self._linear(x, weight, bias)
         tiles = []
         start = 0
-        for size in band_tiles(n, self.rows):
+        for size in sizes:
             tile = flat[start : start + size]
             if tile.shape[0] < size:
                 tile = torch.cat([tile, tile.new_zeros(size - tile.shape[0], tile.shape[1])])
@@ -204,6 +276,8 @@ class _Linears(TorchFunctionMode):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.onednn:
+            return _onednn_linear(x, weight, bias)
         if not self.upcast:
             return F.linear(x, weight, bias)
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
@@ -231,13 +305,18 @@ BandProbe = Callable[[Numerics], tuple[int, int]]
 """``probe(numerics)`` -> the band of decode GEMM row counts that compute each row alike that way."""
 
 
-def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer,
-           probe_band: BandProbe | None = None) -> Choice:
+def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer, time_batch: StepTimer,
+           probe_band: BandProbe | None = None, onednn: bool = False) -> Choice:
     """Measure the alternatives to ``base`` and keep each that is at least ``MARGIN`` times faster.
 
-    Decode is measured as one session alone (the case every reply meets); a band of several rows is
-    chosen unless it makes a lone session clearly slower (:data:`BAND_LIMIT`), and failing a band a
-    tile only when a lone session pays nearly nothing for it, since batches then come almost for free.
+    On a CPU a decode step's way is chosen among torch's default kernels and, with ``onednn``, oneDNN's
+    (fp32 held), each one row per GEMM and in its band of rows (or failing a band, tiles): every way
+    whose lone session (``time_decode``, the case every reply meets) is within ``BAND_LIMIT`` of torch's
+    own one-row step may serve, and of those the first that ``time_batch`` (a step of ``TILE_ROWS``
+    sessions) finds ``MARGIN`` faster than the ways before it wins, since batches are where ways differ
+    most: a lone session may give up a little so that concurrent ones share their GEMMs. Both limits
+    are wide on purpose: peers starting together on one machine measure under each other's load, and
+    must still choose alike to share routes.
     """
     measured: dict[str, float] = {}
 
@@ -247,7 +326,6 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer,
         return seconds
 
     chosen = base
-    alone: float | None = None  # the chosen way's lone decode step, once measured
     if base.dtype != torch.float32:
         native = timed(chosen, time_prefill, "prefill")
         upcast = replace(chosen, prefill_fp32=True)
@@ -255,21 +333,29 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer,
             chosen = upcast
         alone = timed(chosen, time_decode, "decode")
         upcast = replace(chosen, decode_fp32=True)
-        upcast_s = timed(upcast, time_decode, "decode")
-        if upcast_s * MARGIN < alone:
-            chosen, alone = upcast, upcast_s
-    if chosen.device == "cpu":
-        if alone is None:
-            alone = timed(chosen, time_decode, "decode")
-        low, high = probe_band(chosen) if probe_band is not None else (1, 1)
-        banded = replace(chosen, decode_rows=low, decode_max_rows=high if high > low else 0)
-        if high > 1 and (low == 1 or timed(banded, time_decode, "decode") < alone * BAND_LIMIT):
-            chosen = banded
-        else:
-            tiled = replace(chosen, decode_rows=TILE_ROWS)
-            if timed(tiled, time_decode, "decode") <= alone * 1.1:
-                chosen = tiled
-    return Choice(chosen, measured)
+        if timed(upcast, time_decode, "decode") * MARGIN < alone:
+            chosen = upcast
+    if chosen.device != "cpu":
+        return Choice(chosen, measured)
+    onednn = onednn and chosen.dtype == torch.float32
+    if onednn:
+        default = timed(chosen, time_prefill, "prefill")
+        if timed(replace(chosen, prefill_onednn=True), time_prefill, "prefill") * MARGIN < default:
+            chosen = replace(chosen, prefill_onednn=True)
+    ways: list[Numerics] = []
+    for kernel in [chosen, *([replace(chosen, decode_onednn=True)] if onednn else [])]:
+        ways.append(kernel)  # one row per GEMM
+        low, high = probe_band(kernel) if probe_band is not None else (1, 1)
+        ways.append(replace(kernel, decode_rows=low, decode_max_rows=high) if high > low
+                    else replace(kernel, decode_rows=TILE_ROWS))
+    lone = [timed(way, time_decode, "decode") for way in ways]
+    serving = [way for way, seconds in zip(ways, lone, strict=True) if seconds <= lone[0] * BAND_LIMIT]
+    best, best_batch = serving[0], timed(serving[0], time_batch, f"decode x{TILE_ROWS}")
+    for way in serving[1:]:
+        batch = timed(way, time_batch, f"decode x{TILE_ROWS}")
+        if batch * MARGIN < best_batch:
+            best, best_batch = way, batch
+    return Choice(best, measured)
 
 
 def row_band(numerics: Numerics, weights: list[torch.Tensor], probe_rows: int = BAND_PROBE_ROWS) -> tuple[int, int]:
@@ -279,7 +365,7 @@ def row_band(numerics: Numerics, weights: list[torch.Tensor], probe_rows: int = 
     random rows show it. ``(1, 1)`` when no band of several rows exists."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     upcast = numerics.decode_fp32 and numerics.dtype != torch.float32
-    way = _Linears(rows=None, upcast=upcast)
+    way = _Linears(rows=None, upcast=upcast, onednn=numerics.decode_onednn)
     with torch.inference_mode():
         for low in (1, 2):
             high = probe_rows
@@ -300,8 +386,9 @@ def row_band(numerics: Numerics, weights: list[torch.Tensor], probe_rows: int = 
 def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int,
               band_shapes: Sequence[tuple[int, int]] = ()) -> Choice:
     """:func:`choose` timed on linears of ``shapes`` (one decoder layer's ``(out, in)`` weights) with
-    random weights in the held dtype: a prefill chunk of ``prefill_rows`` rows and one decode row; the
-    band of decode rows probed on those and on ``band_shapes`` (other linears a decode step runs)."""
+    random weights in the held dtype: a prefill chunk of ``prefill_rows`` rows, one decode row and a
+    decode step of ``TILE_ROWS`` rows; the band of decode rows probed on those and on ``band_shapes``
+    (other linears a decode step runs)."""
     if sum(out * inp for out, inp in shapes) < MIN_MEASURED_PARAMETERS:
         return Choice(base, {})
     device = torch.device(base.device)
@@ -309,6 +396,8 @@ def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int,
     weights = [(torch.randn(shape, generator=gen) * 0.02).to(dtype=base.dtype, device=device) for shape in shapes]
 
     def run(numerics: Numerics, rows: int, decode: bool) -> float:
+        if decode:  # a step of fewer rows than the band's bottom is padded before its layers (Shard)
+            rows = max(rows, numerics.decode_band[0])
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(dtype=base.dtype, device=device)
               for w in weights}
         mode = numerics.decode(rows=rows) if decode else numerics.prefill()
@@ -325,5 +414,7 @@ def calibrate(base: Numerics, shapes: list[tuple[int, int]], prefill_rows: int,
             return time.perf_counter() - started
 
     return choose(base, lambda n: run(n, prefill_rows, decode=False), lambda n: run(n, 1, decode=True),
+                  lambda n: run(n, TILE_ROWS, decode=True),
                   lambda n: row_band(n, weights + [(torch.randn(shape, generator=gen) * 0.02).to(
-                      dtype=base.dtype, device=device) for shape in band_shapes if shape not in shapes]))
+                      dtype=base.dtype, device=device) for shape in band_shapes if shape not in shapes]),
+                  onednn=device.type == "cpu" and onednn_available())
