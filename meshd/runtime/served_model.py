@@ -69,6 +69,7 @@ class ServedModel:
         self.probed_prefill_tok_s = 0.0  # measured after loading; the batcher's own figure once it has one
         self.card_prefill_tok_s = 0.0  # the figure cards carry: moved only when the measured one moved clearly
         self.load_started = False
+        self.measured = False     # loaded, checked and its speeds measured: only then does the card offer the range
         self.error = ""          # why no range is served, after a failed load or check
         self.checks: list[Check] = []
         self._speed_checking = trio.Lock()
@@ -83,7 +84,9 @@ class ServedModel:
     def card_entry(self) -> cpb.ModelServed:
         """This model's entry in the capability card."""
         info = self.info
-        loaded = self.host.range
+        # not before its speeds are measured: a route planned meanwhile would queue behind the probes,
+        # and a card claiming no speed yet is re-issued with one, which starts the entries' checks again
+        loaded = self.host.range if self.measured else None
         start = loaded[0] if loaded else (self.pinned[0] if self.pinned else 0)
         return cpb.ModelServed(
             model_id=info.model_id, compat_key=info.compat_key, n_layers=info.n_layers, range_start=start,
@@ -142,6 +145,7 @@ class ServedModel:
             self.error = str(exc)
             log.error("layers [%d, %d) of %s are not served: %s", start, end, self.info.model_id, exc)
         else:
+            self.measured = True
             log.info("layers [%d, %d) passed their checks and decode at %.1f tok/s on this peer", start, end,
                      self.decode_tok_s)
         self.on_change()
