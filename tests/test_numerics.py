@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from meshd.errors import ShapeMismatch
 from meshd.models.builtin import BUILTIN_MODELS, make_config, write_model
 from meshd.runtime.chain import LocalChain
-from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics, onednn_available
+from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics, linears_like, onednn_available
 from meshd.runtime.shard import Shard
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -213,8 +213,12 @@ def test_a_onednn_row_is_the_same_alone_in_any_batch_and_in_a_prefill():
         pair = F.linear(batch[:2], weight, bias)
     with ONEDNN.prefill():
         chunk = F.linear(batch.unsqueeze(0), weight, bias)[0]
+    with linears_like(ONEDNN):  # how the bench's transformers baseline computes: the same rows
+        outside = F.linear(batch.unsqueeze(0), weight, bias)[0]
+        outside_alone = F.linear(batch[3:4], weight, bias)
     assert all(torch.equal(alone[i][0], together[i]) and torch.equal(together[i], shuffled[i]) for i in range(45))
     assert torch.equal(pair, together[:2]) and torch.equal(chunk, together)
+    assert torch.equal(outside, together) and torch.equal(outside_alone[0], together[3])
     assert torch.allclose(together, F.linear(batch, weight, bias), rtol=1e-5, atol=1e-5)
 
 

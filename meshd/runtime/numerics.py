@@ -64,6 +64,7 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 INT8 = "int8"  # ``--dtype int8``: float32 held, linears int8 (meshd.runtime.int8); a part of ``Numerics.weights``
 TILE_ROWS = 8        # rows per decode GEMM when decode steps are batched by tiles
+ONE_GEMM = 1 << 30   # a band's top that never cuts a GEMM into tiles
 BAND_PROBE_ROWS = 32  # row counts tried when measuring the band of row-invariant GEMMs
 # A band whose bottom is 2 rows is refused only when its padded lone row is clearly slower than one row
 # (measured 1.07 times on the development machine): peers starting together on one machine time it
@@ -148,8 +149,8 @@ def linears_like(numerics: Numerics) -> AbstractContextManager[object]:
     or more computes each row as a two-row one does, so a prompt's rows match theirs too). Elsewhere
     nothing changes: torch's kernels are the peers' already, or the difference is the peers' band of
     rows, which a reference computed the plain way shows."""
-    if numerics.decode_onednn:
-        return numerics.decode()
+    if numerics.decode_onednn:  # a lone row padded as theirs, any other count one GEMM, as their prefill chunks
+        return _Linears(rows=(numerics.decode_band[0], ONE_GEMM), upcast=False, onednn=True)
     if numerics.prefill_onednn:
         return numerics.prefill()
     return nullcontext()
