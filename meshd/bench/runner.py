@@ -383,7 +383,11 @@ class PeerClasses:
         if dtype not in self._chosen:
             from meshd.runtime.model_info import choose_numerics
 
-            self._chosen[dtype] = choose_numerics(self.model_dir, dtype).numerics
+            # on a thread of its own, whose OpenMP team ends with it: a process whose threads hold more
+            # OpenMP threads than it has CPUs stops them spinning (meshd.runtime.host), and --serve's one
+            # process computes on a thread of its own
+            with ThreadPoolExecutor(max_workers=1) as measuring:
+                self._chosen[dtype] = measuring.submit(choose_numerics, self.model_dir, dtype).result().numerics
         return self._chosen[dtype]
 
     def pinned(self, flags: tuple[str, ...]) -> tuple[str, ...]:
