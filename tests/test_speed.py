@@ -8,11 +8,14 @@ import random
 import pytest
 import trio
 
-from meshd.audit.speed import RECHECK_S, STEPS, SpeedChecks, short_of_claim
+from meshd.audit.speed import MAX_STEPS, MIN_TIMED_S, RECHECK_S, STEPS, SpeedChecks, short_of_claim
 from meshd.errors import ErrorCode
 from meshd.gossip import GossipNode
 from meshd.identity import Identity
 from meshd.rpc.router import error_reply, reply_of
+from meshd.runtime.host import InlineCompute, ShardHost
+from meshd.runtime.model_info import describe_model
+from meshd.runtime.served_model import CheckRefused, ServedModel
 from meshd.tracker.view import Hop, MeshView, Route
 from meshd.wire import card_pb2 as cpb
 from meshd.wire import rpc_pb2 as pb
@@ -61,8 +64,20 @@ def test_a_claim_falls_short_only_beyond_tolerance_and_load():
 
 async def test_a_boast_too_small_to_tell_from_noise_is_not_demoted(autojump_clock):
     view, _other, peer_id = _mesh(claimed=1e6)
-    record = await SpeedChecks(view, FakePeer(step_s=1e-5)).check(peer_id, "m", "k")  # 32 steps: 0.3 ms
+    fake = FakePeer(step_s=1e-5)
+    record = await SpeedChecks(view, fake).check(peer_id, "m", "k")
     assert record is not None and not record.demoted
+    assert fake.asked == [0, STEPS] * 3 + [0, MAX_STEPS] * 3  # 32 steps: 0.3 ms; the most asked: 10 ms
+
+
+async def test_quick_steps_are_timed_in_a_number_that_takes_long_enough_to_tell(autojump_clock):
+    view, _other, peer_id = _mesh(claimed=1e7)
+    fake = FakePeer(step_s=2e-4)  # 32 steps: 6.4 ms, within noise of any claim
+    record = await SpeedChecks(view, fake).check(peer_id, "m", "k")
+    assert record is not None and record.demoted and abs(record.measured - 1 / 2e-4) < 1
+    grown = fake.asked[7]
+    assert 2 * MIN_TIMED_S <= grown * 2e-4 < 2 * MIN_TIMED_S * 1.01
+    assert fake.asked == [0, STEPS] * 3 + [0, grown] * 6  # confirmed at the number it grew to
 
 
 async def test_an_honest_claim_is_met_and_not_checked_again_until_it_grows(autojump_clock):
@@ -141,5 +156,24 @@ async def test_steps_that_seem_to_take_no_time_are_timed_again(autojump_clock):
         return 0.1 + steps * 0.01
 
     checks._time = timed  # type: ignore[method-assign]
-    took = await checks._measure(peer_id, "addr", "m", "k")
-    assert took == pytest.approx(0.3 - 0.1) and len(calls) == 8  # one more pair, and a difference again
+    steps, took = await checks._measure(peer_id, "addr", "m", "k")
+    assert steps == STEPS and took == pytest.approx(0.3 - 0.1)
+    assert len(calls) == 8  # one more pair, and a difference again
+
+
+async def test_a_peer_runs_as_many_check_steps_as_its_own_speed_allows_and_refuses_more(tiny_model):
+    info = describe_model(tiny_model, "tiny")
+    host = ShardHost(tiny_model, numerics=info.numerics, manifest=info.manifest, compute=InlineCompute())
+    await host.load(0, 2)
+    served = ServedModel(info, host)
+    served.decode_tok_s = 100.0  # 2 s of its steps: 200
+    check = lambda steps: pb.SpeedCheck(model_id="tiny", compat_key=info.compat_key, steps=steps)  # noqa: E731
+    assert (await served.serve_speed_check("asker", check(200))).steps == 200
+    with pytest.raises(CheckRefused, match="at most 200 steps"):
+        await served.serve_speed_check("asker", check(201))
+    served.decode_tok_s = 1.0  # however slow it is, the first steps a check asks for are run
+    assert (await served.serve_speed_check("asker", check(STEPS))).steps == STEPS
+    served.decode_tok_s = 1e9
+    with pytest.raises(CheckRefused, match=f"at most {MAX_STEPS} steps"):
+        await served.serve_speed_check("asker", check(MAX_STEPS + 1))
+    assert host.require_shard().kv.keys() == []

@@ -21,6 +21,7 @@ be quick for checks and slow for sessions: outputs are compared by audits of rea
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from meshd.wire import rpc_pb2 as pb
 log = logging.getLogger("meshd.audit")
 
 STEPS = 32
+MIN_TIMED_S = 0.1  # the timed steps should take this long at least: quicker ones are timed in more steps
+MAX_STEPS = 1024
 TRIES = 3
 MAX_TRIES = 9  # pairs timed while the steps still seem to take no time
 TOLERANCE = 4.0
@@ -169,17 +172,27 @@ class SpeedChecks:
         await call(self.opener, peer_id, address, request, timeout=CHECK_TIMEOUT_S)
         return trio.current_time() - started
 
-    async def _measure(self, peer_id: str, address: str, model_id: str, compat_key: str) -> float:
-        """Seconds of ``STEPS`` decode steps: fastest with, less fastest without (delays only add).
+    async def _measure(self, peer_id: str, address: str, model_id: str, compat_key: str,
+                       steps: int = STEPS) -> tuple[int, float]:
+        """Decode steps timed and their seconds: fastest with, less fastest without (delays only add).
 
         A delay that met every call without steps and none with them leaves no difference at all,
         which would read as an endless speed; the pairs are then timed again, up to
-        :data:`MAX_TRIES` in all."""
+        :data:`MAX_TRIES` in all. Steps that took less than :data:`MIN_TIMED_S` are timed once more,
+        in the number that should take twice that (up to :data:`MAX_STEPS`)."""
+        took = await self._measure_steps(peer_id, address, model_id, compat_key, steps)
+        if took >= MIN_TIMED_S or steps >= MAX_STEPS:
+            return steps, took
+        steps = min(MAX_STEPS, math.ceil(steps * 2 * MIN_TIMED_S / took))
+        return steps, await self._measure_steps(peer_id, address, model_id, compat_key, steps)
+
+    async def _measure_steps(self, peer_id: str, address: str, model_id: str, compat_key: str,
+                             steps: int) -> float:
         fastest = [float("inf"), float("inf")]
         tries = 0
         while tries < TRIES or (fastest[1] <= fastest[0] and tries < MAX_TRIES):
             fastest[0] = min(fastest[0], await self._time(peer_id, address, model_id, compat_key, 0))
-            fastest[1] = min(fastest[1], await self._time(peer_id, address, model_id, compat_key, STEPS))
+            fastest[1] = min(fastest[1], await self._time(peer_id, address, model_id, compat_key, steps))
             tries += 1
         return max(fastest[1] - fastest[0], 1e-6)
 
@@ -194,15 +207,16 @@ class SpeedChecks:
         claimed = claimed_tok_s(card.card, model_id, compat_key)
         load = load_factor(card.card)
 
-        def short(took: float) -> bool:
-            excess = took - STEPS * TOLERANCE * load / claimed if claimed > 0 else 0.0
-            return short_of_claim(claimed, STEPS / took, load) and excess > MIN_EXCESS_S
+        def short(steps: int, took: float) -> bool:
+            excess = took - steps * TOLERANCE * load / claimed if claimed > 0 else 0.0
+            return short_of_claim(claimed, steps / took, load) and excess > MIN_EXCESS_S
 
         try:
-            took = await self._measure(peer_id, address, model_id, compat_key)
-            if short(took):
+            steps, took = await self._measure(peer_id, address, model_id, compat_key)
+            if short(steps, took):
                 await trio.sleep(CONFIRM_AFTER_S)
-                took = min(took, await self._measure(peer_id, address, model_id, compat_key))
+                again = await self._measure(peer_id, address, model_id, compat_key, steps)
+                steps, took = min((steps, took), again, key=lambda timed: timed[1] / timed[0])
         except RpcFailed as exc:
             if exc.code in _NO_VERDICT:
                 self.on_verdict("unanswered")
@@ -210,9 +224,9 @@ class SpeedChecks:
                 return None
             why = f"its card claims layers of {model_id} it refused to be timed on ({exc.code}: {exc})"
             return self._record(peer_id, SpeedRecord(card.sequence, model_id, compat_key, claimed, 0.0, True, why))
-        measured = STEPS / took
-        demoted = short(took)
-        why = (f"its card claims {claimed:.1f} decode tokens/s, {STEPS} timed steps ran at {measured:.1f}"
+        measured = steps / took
+        demoted = short(steps, took)
+        why = (f"its card claims {claimed:.1f} decode tokens/s, {steps} timed steps ran at {measured:.1f}"
                if demoted else "")
         return self._record(peer_id, SpeedRecord(card.sequence, model_id, compat_key, claimed, measured, demoted, why))
 

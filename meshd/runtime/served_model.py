@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from meshd.audit import speed
 from meshd.errors import ErrorCode, KVBudgetExceeded, MeshError
 from meshd.identity import Identity
 from meshd.kvtier.snapshots import Encoded, Expected, encode_snapshot
@@ -37,7 +38,7 @@ class PlacementRefused(MeshError):
     code = ErrorCode.BAD_REQUEST
 
 
-MAX_CHECK_STEPS = 32  # decode steps one speed check may ask for
+MAX_CHECK_S = 2.0  # a speed check's steps beyond the first it asks for take at most this, at this peer's speed
 OUTBOX_SNAPSHOTS = 2  # encoded prefixes a worker holds for the hops importing them
 
 
@@ -156,8 +157,10 @@ class ServedModel:
         if check.model_id != self.info.model_id or check.compat_key != self.info.compat_key:
             raise CheckRefused(f"speed check for {check.model_id!r} ({check.compat_key[:12]}); this peer serves "
                                f"{self.info.model_id!r} ({self.info.compat_key[:12]})")
-        if check.steps > MAX_CHECK_STEPS:
-            raise CheckRefused(f"a speed check runs at most {MAX_CHECK_STEPS} steps, not {check.steps}")
+        allowed = min(speed.MAX_STEPS, max(speed.STEPS, int(self.decode_tok_s * MAX_CHECK_S)))
+        if check.steps > allowed:
+            raise CheckRefused(f"a speed check runs at most {allowed} steps on this peer "
+                               f"({MAX_CHECK_S:g} s at its {self.decode_tok_s:.0f} tok/s), not {check.steps}")
         if self.range is None or self.error:
             raise CheckRefused("this peer serves no range of the model yet")
         async with self._speed_checking:
