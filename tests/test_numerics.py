@@ -213,13 +213,35 @@ def test_a_onednn_row_is_the_same_alone_in_any_batch_and_in_a_prefill():
         pair = F.linear(batch[:2], weight, bias)
     with ONEDNN.prefill():
         chunk = F.linear(batch.unsqueeze(0), weight, bias)[0]
+        chunk_of_one = F.linear(batch[3:4].unsqueeze(0), weight, bias)[0]
     with linears_like(ONEDNN):  # how the bench's transformers baseline computes: the same rows
         outside = F.linear(batch.unsqueeze(0), weight, bias)[0]
         outside_alone = F.linear(batch[3:4], weight, bias)
     assert all(torch.equal(alone[i][0], together[i]) and torch.equal(together[i], shuffled[i]) for i in range(45))
     assert torch.equal(pair, together[:2]) and torch.equal(chunk, together)
+    assert torch.equal(chunk_of_one[0], together[3])  # a chunk of one row is padded as a lone session is
     assert torch.equal(outside, together) and torch.equal(outside_alone[0], together[3])
     assert torch.allclose(together, F.linear(batch, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_one_process_computes_a_prompt_and_its_steps_as_peers_of_a_class_mixing_kernels_do():
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(300, 70, generator=gen), torch.randn(300, generator=gen)
+    prompt, steps = torch.randn(1, 9, 70, generator=gen), torch.randn(3, 1, 70, generator=gen)
+    with ONEDNN.decode():
+        onednn_prompt = F.linear(prompt[0], weight, bias)
+        onednn_steps = F.linear(steps[:, 0], weight, bias)
+    by_row = torch.cat([F.linear(steps[i, 0:1], weight, bias) for i in range(3)])  # torch's kernels, rows1
+    plain_prompt = F.linear(prompt, weight, bias)[0]
+    prefill_only = replace(ONEDNN, decode_onednn=False, decode_rows=1, decode_max_rows=0)
+    decode_only = replace(ONEDNN, prefill_onednn=False)
+    assert prefill_only.name == "cpu/float32/prefill-onednn/decode-native-rows1"
+    for numerics, want_prompt, want_steps in ((prefill_only, onednn_prompt, by_row),
+                                              (decode_only, plain_prompt, onednn_steps)):
+        with linears_like(numerics):
+            assert torch.equal(F.linear(prompt, weight, bias)[0], want_prompt), numerics.name
+            assert torch.equal(F.linear(steps, weight, bias)[:, 0], want_steps), numerics.name
 
 
 def test_a_onednn_class_name_round_trips_and_is_refused_where_it_cannot_run():
@@ -232,7 +254,8 @@ def test_a_onednn_class_name_round_trips_and_is_refused_where_it_cannot_run():
         numerics_from_name("cpu/bfloat16/prefill-onednn/decode-native-rows1", "cpu")
 
 
-def _ways(timings: dict[str, tuple[float, float]], band: tuple[int, int] = (2, 32)):
+def _ways(timings: dict[str, tuple[float, float]], band: tuple[int, int] = (2, 32),
+          torch_band: tuple[int, int] = (1, 1)):
     """``choose`` over fake timers: per class name ``(lone step, step of TILE_ROWS)`` seconds."""
     from meshd.runtime.numerics import choose
 
@@ -243,7 +266,7 @@ def _ways(timings: dict[str, tuple[float, float]], band: tuple[int, int] = (2, 3
         return timings[n.name][1]
 
     return choose(Numerics(torch.float32), lambda n: 1.0 if n.prefill_onednn else 2.0, lone, batch,
-                  lambda n: band if n.decode_onednn else (1, 1), onednn=True)
+                  lambda n: band if n.decode_onednn else torch_band, onednn=True)
 
 
 def test_onednn_decode_is_chosen_where_its_batches_are_faster_and_a_lone_session_pays_little():
@@ -260,3 +283,7 @@ def test_onednn_decode_is_chosen_where_its_batches_are_faster_and_a_lone_session
     # where batches gain less than MARGIN, torch's own way stays
     even = _ways({rows1: (1.0, 2.0), tiles: (3.0, 3.0), dnn1: (1.0, 1.9), band: (1.1, 1.8)})
     assert even.numerics.name == rows1
+    # a band from one row stands for its kernel's one-row way: taken without gaining MARGIN on batches
+    from_one = "cpu/float32/prefill-onednn/decode-native-rows1-15"
+    kept = _ways({from_one: (1.0, 8.0), dnn1: (1.0, 7.9), band: (1.1, 7.8)}, torch_band=(1, 15))
+    assert kept.numerics.name == from_one and f"decode {rows1}" not in kept.measured_ms

@@ -8,7 +8,15 @@ import random
 import pytest
 import trio
 
-from meshd.audit.speed import MAX_STEPS, MIN_TIMED_S, RECHECK_S, STEPS, SpeedChecks, short_of_claim
+from meshd.audit.speed import (
+    MAX_STEPS,
+    MIN_TIMED_S,
+    RECHECK_S,
+    STEPS,
+    SpeedChecks,
+    check_steps_allowed,
+    short_of_claim,
+)
 from meshd.errors import ErrorCode
 from meshd.gossip import GossipNode
 from meshd.identity import Identity
@@ -80,6 +88,14 @@ async def test_quick_steps_are_timed_in_a_number_that_takes_long_enough_to_tell(
     assert fake.asked == [0, STEPS] * 3 + [0, grown] * 6  # confirmed at the number it grew to
 
 
+async def test_a_check_asks_no_more_steps_than_the_claimed_speed_allows(autojump_clock):
+    view, _other, peer_id = _mesh(claimed=200.0)  # 0.5 s at the claim: 100 steps
+    fake = FakePeer(step_s=1e-4)  # faster than it claims: 32 steps take 3.2 ms
+    record = await SpeedChecks(view, fake).check(peer_id, "m", "k")
+    assert record is not None and not record.demoted
+    assert fake.asked == [0, STEPS] * 3 + [0, check_steps_allowed(200.0)] * 3 and check_steps_allowed(200.0) == 100
+
+
 async def test_an_honest_claim_is_met_and_not_checked_again_until_it_grows(autojump_clock):
     view, other, peer_id = _mesh(claimed=1 / STEP_S)
     fake = FakePeer()
@@ -139,9 +155,10 @@ async def test_refusing_to_be_timed_demotes_but_being_unreachable_does_not(autoj
     view, _other, peer_id = _mesh(claimed=50.0)
     refused = await SpeedChecks(view, FakePeer(refuse=ErrorCode.BAD_REQUEST)).check(peer_id, "m", "k")
     assert refused is not None and refused.demoted and "refused to be timed" in refused.why
-    view, _other, peer_id = _mesh(claimed=50.0)
-    unreachable = SpeedChecks(view, FakePeer(refuse=ErrorCode.UNREACHABLE))
-    assert await unreachable.check(peer_id, "m", "k") is None and unreachable.avoided() == frozenset()
+    for code in (ErrorCode.UNREACHABLE, ErrorCode.KV_BUDGET):  # no room for the steps now is no verdict either
+        view, _other, peer_id = _mesh(claimed=50.0)
+        unreachable = SpeedChecks(view, FakePeer(refuse=code))
+        assert await unreachable.check(peer_id, "m", "k") is None and unreachable.avoided() == frozenset()
 
 
 async def test_steps_that_seem_to_take_no_time_are_timed_again(autojump_clock):
@@ -156,7 +173,7 @@ async def test_steps_that_seem_to_take_no_time_are_timed_again(autojump_clock):
         return 0.1 + steps * 0.01
 
     checks._time = timed  # type: ignore[method-assign]
-    steps, took = await checks._measure(peer_id, "addr", "m", "k")
+    steps, took = await checks._measure(peer_id, "addr", "m", "k", MAX_STEPS)
     assert steps == STEPS and took == pytest.approx(0.3 - 0.1)
     assert len(calls) == 8  # one more pair, and a difference again
 
@@ -166,8 +183,9 @@ async def test_a_peer_runs_as_many_check_steps_as_its_own_speed_allows_and_refus
     host = ShardHost(tiny_model, numerics=info.numerics, manifest=info.manifest, compute=InlineCompute())
     await host.load(0, 2)
     served = ServedModel(info, host)
-    served.decode_tok_s = 100.0  # 2 s of its steps: 200
+    served.decode_tok_s = 400.0  # 0.5 s of its steps: 200
     check = lambda steps: pb.SpeedCheck(model_id="tiny", compat_key=info.compat_key, steps=steps)  # noqa: E731
+    assert check_steps_allowed(served.decode_tok_s) == 200
     assert (await served.serve_speed_check("asker", check(200))).steps == 200
     with pytest.raises(CheckRefused, match="at most 200 steps"):
         await served.serve_speed_check("asker", check(201))

@@ -40,6 +40,7 @@ log = logging.getLogger("meshd.audit")
 STEPS = 32
 MIN_TIMED_S = 0.1  # the timed steps should take this long at least: quicker ones are timed in more steps
 MAX_STEPS = 1024
+MAX_CHECK_S = 0.5  # steps beyond STEPS a check may ask for take at most this at the peer's claimed speed
 TRIES = 3
 MAX_TRIES = 9  # pairs timed while the steps still seem to take no time
 TOLERANCE = 4.0
@@ -48,13 +49,20 @@ CONFIRM_AFTER_S = 2.0
 RECHECK_S = 300.0
 CHECK_TIMEOUT_S = 30.0
 MAX_WAITING = 16  # peers waiting for a check; more are checked at a later use
-_NO_VERDICT = (ErrorCode.UNREACHABLE, ErrorCode.RATE_LIMITED, ErrorCode.OVERLOADED, ErrorCode.LEAVING)
+_NO_VERDICT = (ErrorCode.UNREACHABLE, ErrorCode.RATE_LIMITED, ErrorCode.OVERLOADED, ErrorCode.LEAVING,
+               ErrorCode.KV_BUDGET)
 MAX_TRACKED = 10_000
 
 
 def load_factor(card: cpb.CapabilityCard) -> float:
     """The slowdown the card's load accounts for: the factor routing applies to the claim."""
     return 1.0 + card.load.active_sessions * 0.5 + card.load.queued
+
+
+def check_steps_allowed(decode_tok_s: float) -> int:
+    """The most decode steps a speed check may ask of a peer whose card claims ``decode_tok_s``: the
+    checking peer asks no more, the checked one refuses more."""
+    return min(MAX_STEPS, max(STEPS, int(decode_tok_s * MAX_CHECK_S)))
 
 
 def claimed_tok_s(card: cpb.CapabilityCard, model_id: str, compat_key: str) -> float:
@@ -172,18 +180,18 @@ class SpeedChecks:
         await call(self.opener, peer_id, address, request, timeout=CHECK_TIMEOUT_S)
         return trio.current_time() - started
 
-    async def _measure(self, peer_id: str, address: str, model_id: str, compat_key: str,
+    async def _measure(self, peer_id: str, address: str, model_id: str, compat_key: str, most: int,
                        steps: int = STEPS) -> tuple[int, float]:
         """Decode steps timed and their seconds: fastest with, less fastest without (delays only add).
 
         A delay that met every call without steps and none with them leaves no difference at all,
         which would read as an endless speed; the pairs are then timed again, up to
         :data:`MAX_TRIES` in all. Steps that took less than :data:`MIN_TIMED_S` are timed once more,
-        in the number that should take twice that (up to :data:`MAX_STEPS`)."""
+        in the number that should take twice that (up to ``most``)."""
         took = await self._measure_steps(peer_id, address, model_id, compat_key, steps)
-        if took >= MIN_TIMED_S or steps >= MAX_STEPS:
+        if took >= MIN_TIMED_S or steps >= most:
             return steps, took
-        steps = min(MAX_STEPS, math.ceil(steps * 2 * MIN_TIMED_S / took))
+        steps = min(most, math.ceil(steps * 2 * MIN_TIMED_S / took))
         return steps, await self._measure_steps(peer_id, address, model_id, compat_key, steps)
 
     async def _measure_steps(self, peer_id: str, address: str, model_id: str, compat_key: str,
@@ -212,10 +220,11 @@ class SpeedChecks:
             return short_of_claim(claimed, steps / took, load) and excess > MIN_EXCESS_S
 
         try:
-            steps, took = await self._measure(peer_id, address, model_id, compat_key)
+            most = check_steps_allowed(claimed)
+            steps, took = await self._measure(peer_id, address, model_id, compat_key, most)
             if short(steps, took):
                 await trio.sleep(CONFIRM_AFTER_S)
-                again = await self._measure(peer_id, address, model_id, compat_key, steps)
+                again = await self._measure(peer_id, address, model_id, compat_key, most, steps)
                 steps, took = min((steps, took), again, key=lambda timed: timed[1] / timed[0])
         except RpcFailed as exc:
             if exc.code in _NO_VERDICT:
@@ -242,4 +251,4 @@ class SpeedChecks:
         return record
 
 
-__all__ = ["SpeedChecks", "SpeedRecord", "claimed_tok_s", "load_factor", "short_of_claim"]
+__all__ = ["SpeedChecks", "SpeedRecord", "check_steps_allowed", "claimed_tok_s", "load_factor", "short_of_claim"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,11 +84,13 @@ class Baseline:
         import torch
         from transformers import GenerationConfig
 
+        from meshd.runtime.numerics import linears_like
+
         input_ids = torch.tensor([self.prompt_ids] * batch)
         config = GenerationConfig(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=self.model.config.pad_token_id)
         started = time.perf_counter()
-        with torch.inference_mode(), self._linears():
+        with torch.inference_mode(), linears_like(self.numerics):
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
         wall = time.perf_counter() - started
         return batch * (out.shape[1] - len(self.prompt_ids)) / wall
@@ -98,17 +99,14 @@ class Baseline:
         import torch
         from transformers import GenerationConfig
 
+        from meshd.runtime.numerics import linears_like
+
         input_ids = torch.tensor([self.prompt_ids])
         config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                                   pad_token_id=self.model.config.pad_token_id)
-        with torch.inference_mode(), self._linears():
+        with torch.inference_mode(), linears_like(self.numerics):
             return self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                        generation_config=config, streamer=streamer)
-
-    def _linears(self) -> AbstractContextManager[object]:
-        from meshd.runtime.numerics import linears_like
-
-        return linears_like(self.numerics) if self.numerics is not None else nullcontext()
 
     def measure(self, runs: int) -> BaselineResult:
         import torch

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -161,9 +160,6 @@ class OneProcessServer:
                     if not pending.future.done():
                         pending.future.set_exception(exc)
 
-    def _linears(self) -> AbstractContextManager[object]:
-        return linears_like(self.numerics) if self.numerics is not None else nullcontext()
-
     def _generate(self, batch: list[_Pending]) -> None:
         import torch
         from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -190,6 +186,6 @@ class OneProcessServer:
         config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None,
                                   pad_token_id=self.pad_token_id)
         self.batch_sizes[len(batch)] += 1
-        with torch.inference_mode(), self._linears():
+        with torch.inference_mode(), linears_like(self.numerics):
             self.model.generate(input_ids, attention_mask=mask, generation_config=config,
                                 logits_processor=LogitsProcessorList([Stamps()]))

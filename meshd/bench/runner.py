@@ -317,7 +317,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
 
     default_kernels = None
     if classes.of(cfg.dtype).prefill_onednn or classes.of(cfg.dtype).decode_onednn:
-        default_kernels = transformers_default(model_dir, prompt.ids, held, cfg, say)
+        default_kernels = transformers_default(model_dir, prompt.ids, held, int8, cfg, say)
     references = {"": reference(held, int8, cfg.dtype)}
     measured = references[""].measured
 
@@ -412,9 +412,9 @@ class DefaultKernels:
                                       for k, v in report["mesh_tok_s"].items()}}
 
 
-def transformers_default(model_dir: Path, prompt_ids: list[int], dtype: Any, cfg: BenchConfig,
+def transformers_default(model_dir: Path, prompt_ids: list[int], dtype: Any, int8: bool, cfg: BenchConfig,
                          say: Say) -> DefaultKernels:
-    base = Baseline(model_dir, prompt_ids, cfg.new_tokens, dtype=dtype)
+    base = Baseline(model_dir, prompt_ids, cfg.new_tokens, dtype=dtype, int8=int8)
     measured = base.measure(cfg.runs)
     ceiling = {c: base.batched_tok_s(c) for c in sorted(cfg.concurrency) if c > 1}
     say(f"transformers with torch's own kernels (once, for comparison): {measured.decode_tok_s:.2f} tok/s, TTFT "

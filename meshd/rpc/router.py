@@ -38,7 +38,7 @@ REQUEST_WAIT_S = 10.0  # how long a requester may take to send its one request
 RATE_LIMITS: dict[str, tuple[float, float]] = {
     "gossip": (50.0, 200.0), "route": (100.0, 400.0), "placement": (10.0, 40.0), "model_files": (10.0, 40.0),
     "dialback": (2.0, 10.0), "manifest": (5.0, 20.0), "chunk": (500.0, 1000.0), "join": (1.0, 5.0),
-    "speed_check": (4.0, 40.0), "trace": (1.0, 8.0), "prefix_probe": (100.0, 400.0),
+    "speed_check": (2.0, 32.0), "trace": (1.0, 8.0), "prefix_probe": (100.0, 400.0),
     "kv_put": (500.0, 1000.0), "kv_get": (500.0, 1000.0),
 }
 MAX_SENDERS = 10_000  # senders whose rates are tracked; the longest unheard are forgotten first

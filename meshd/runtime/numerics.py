@@ -65,6 +65,7 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 INT8 = "int8"  # ``--dtype int8``: float32 held, linears int8 (meshd.runtime.int8); a part of ``Numerics.weights``
 TILE_ROWS = 8        # rows per decode GEMM when decode steps are batched by tiles
 ONE_GEMM = 1 << 30   # a band's top that never cuts a GEMM into tiles
+ONEDNN_ROWS = (2, ONE_GEMM)  # oneDNN computes each row of any GEMM of two rows or more alike
 BAND_PROBE_ROWS = 32  # row counts tried when measuring the band of row-invariant GEMMs
 # A band whose bottom is 2 rows is refused only when its padded lone row is clearly slower than one row
 # (measured 1.07 times on the development machine): peers starting together on one machine time it
@@ -125,9 +126,12 @@ class Numerics:
         return f"{name}/{self.weights}" if self.weights else name
 
     def prefill(self) -> AbstractContextManager[object]:
+        """The mode of a prefill chunk: one GEMM of its rows (through oneDNN, a lone row padded to two,
+        so that a chunk's rows compute as a decode step's do)."""
         upcast = self.prefill_fp32 and self.dtype != torch.float32
         if upcast or self.prefill_onednn:
-            return _Linears(rows=None, upcast=upcast, onednn=self.prefill_onednn)
+            return _Linears(rows=ONEDNN_ROWS if self.prefill_onednn else None, upcast=upcast,
+                            onednn=self.prefill_onednn)
         return nullcontext()
 
     def decode(self, rows: int | None = None) -> AbstractContextManager[object]:
@@ -142,18 +146,21 @@ class Numerics:
         return _Linears(rows=self.decode_band, upcast=upcast, onednn=self.decode_onednn)
 
 
-def linears_like(numerics: Numerics) -> AbstractContextManager[object]:
+def linears_like(numerics: Numerics | None) -> AbstractContextManager[object]:
     """The mode in which a model outside a shard (transformers' ``generate()``, one call for a prompt
     and its tokens alike) computes its linears as peers of ``numerics`` do, where theirs are not
-    torch's own kernels: through oneDNN, every row as in their decode steps (a oneDNN GEMM of two rows
-    or more computes each row as a two-row one does, so a prompt's rows match theirs too). Elsewhere
-    nothing changes: torch's kernels are the peers' already, or the difference is the peers' band of
-    rows, which a reference computed the plain way shows."""
-    if numerics.decode_onednn:  # a lone row padded as theirs, any other count one GEMM, as their prefill chunks
-        return _Linears(rows=(numerics.decode_band[0], ONE_GEMM), upcast=False, onednn=True)
-    if numerics.prefill_onednn:
-        return numerics.prefill()
-    return nullcontext()
+    torch's own kernels (oneDNN, in prefill or decode): a forward of a prompt as their prefill chunks,
+    a step of one token per sequence as their decode steps of that many sessions. Elsewhere nothing
+    changes: torch's kernels are the peers' already, or the difference is the peers' band of rows,
+    which a reference computed the plain way shows. ``None``: nothing changes."""
+    if numerics is None or not (numerics.prefill_onednn or numerics.decode_onednn):
+        return nullcontext()
+    upcast = numerics.dtype != torch.float32
+    prefill = _Linears(rows=ONEDNN_ROWS if numerics.prefill_onednn else None,
+                       upcast=upcast and numerics.prefill_fp32, onednn=numerics.prefill_onednn)
+    decode = _Linears(rows=numerics.decode_band, upcast=upcast and numerics.decode_fp32,
+                      onednn=numerics.decode_onednn)
+    return _PhaseLinears(prefill, decode)
 
 
 def numerics_from_name(name: str, device: str) -> Numerics:
@@ -285,6 +292,24 @@ class _Linears(TorchFunctionMode):
         return out.to(x.dtype)
 
 
+class _PhaseLinears(TorchFunctionMode):
+    """Runs a forward over sequences of several positions (a prompt) the ``prefill`` way and one of a
+    single position per sequence (a generated token) the ``decode`` way."""
+
+    def __init__(self, prefill: _Linears, decode: _Linears) -> None:
+        super().__init__()
+        self.prefill = prefill
+        self.decode = decode
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func is not F.linear:
+            return func(*args, **(kwargs or {}))
+        x: torch.Tensor = args[0]
+        way = self.prefill if x.dim() >= 3 and x.shape[-2] > 1 else self.decode
+        return way.__torch_function__(func, types, args, kwargs)
+
+
 def default_numerics(dtype: torch.dtype, device: str) -> Numerics:
     """What a shard uses before anything is measured: native arithmetic, tiles on accelerators
     (their kernels choose algorithms by shape), one row at a time on a CPU."""
@@ -311,7 +336,8 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer, time
     """Measure the alternatives to ``base`` and keep each that is at least ``MARGIN`` times faster.
 
     On a CPU a decode step's way is chosen among torch's default kernels and, with ``onednn``, oneDNN's
-    (fp32 held), each one row per GEMM and in its band of rows (or failing a band, tiles): every way
+    (fp32 held), each one row per GEMM and in its band of rows (or failing a band, tiles; a band from
+    one row stands for the kernel's one-row way, which it computes a lone session as): every way
     whose lone session (``time_decode``, the case every reply meets) is within ``BAND_LIMIT`` of torch's
     own one-row step may serve, and of those the first that ``time_batch`` (a step of ``TILE_ROWS``
     sessions) finds ``MARGIN`` faster than the ways before it wins, since batches are where ways differ
@@ -345,8 +371,9 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer, time
             chosen = replace(chosen, prefill_onednn=True)
     ways: list[Numerics] = []
     for kernel in [chosen, *([replace(chosen, decode_onednn=True)] if onednn else [])]:
-        ways.append(kernel)  # one row per GEMM
         low, high = probe_band(kernel) if probe_band is not None else (1, 1)
+        if low > 1 or high == low:
+            ways.append(kernel)  # one row per GEMM; a band from one row computes a lone row so anyway
         ways.append(replace(kernel, decode_rows=low, decode_max_rows=high) if high > low
                     else replace(kernel, decode_rows=TILE_ROWS))
     lone = [timed(way, time_decode, "decode") for way in ways]

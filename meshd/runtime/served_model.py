@@ -38,7 +38,6 @@ class PlacementRefused(MeshError):
     code = ErrorCode.BAD_REQUEST
 
 
-MAX_CHECK_S = 2.0  # a speed check's steps beyond the first it asks for take at most this, at this peer's speed
 OUTBOX_SNAPSHOTS = 2  # encoded prefixes a worker holds for the hops importing them
 
 
@@ -157,10 +156,10 @@ class ServedModel:
         if check.model_id != self.info.model_id or check.compat_key != self.info.compat_key:
             raise CheckRefused(f"speed check for {check.model_id!r} ({check.compat_key[:12]}); this peer serves "
                                f"{self.info.model_id!r} ({self.info.compat_key[:12]})")
-        allowed = min(speed.MAX_STEPS, max(speed.STEPS, int(self.decode_tok_s * MAX_CHECK_S)))
+        allowed = speed.check_steps_allowed(self.decode_tok_s)  # the speed its card claims
         if check.steps > allowed:
             raise CheckRefused(f"a speed check runs at most {allowed} steps on this peer "
-                               f"({MAX_CHECK_S:g} s at its {self.decode_tok_s:.0f} tok/s), not {check.steps}")
+                               f"({speed.MAX_CHECK_S:g} s at its {self.decode_tok_s:.0f} tok/s), not {check.steps}")
         if self.range is None or self.error:
             raise CheckRefused("this peer serves no range of the model yet")
         async with self._speed_checking:
