@@ -128,22 +128,29 @@ class Numerics:
     def prefill(self) -> AbstractContextManager[object]:
         """The mode of a prefill chunk: one GEMM of its rows (through oneDNN, a lone row padded to two,
         so that a chunk's rows compute as a decode step's do)."""
+        way = self.prefill_way()
+        return way if way.upcast or way.onednn else nullcontext()
+
+    def prefill_way(self) -> _Linears:
+        """How a prefill chunk's linears run, also where that is torch's plain way (:func:`linears_like`)."""
         upcast = self.prefill_fp32 and self.dtype != torch.float32
-        if upcast or self.prefill_onednn:
-            return _Linears(rows=ONEDNN_ROWS if self.prefill_onednn else None, upcast=upcast,
-                            onednn=self.prefill_onednn)
-        return nullcontext()
+        return _Linears(rows=ONEDNN_ROWS if self.prefill_onednn else None, upcast=upcast, onednn=self.prefill_onednn)
+
+    def decode_way(self) -> _Linears:
+        """How a decode step's linears run, in the band's tiles."""
+        upcast = self.decode_fp32 and self.dtype != torch.float32
+        return _Linears(rows=self.decode_band, upcast=upcast, onednn=self.decode_onednn)
 
     def decode(self, rows: int | None = None) -> AbstractContextManager[object]:
         """The mode of a decode step of ``rows`` rows (None: not known). A step whose row count is
         inside the band, in the held dtype, is left alone: every linear is already one GEMM the band
         allows, and a torch function mode costs every op of the step some Python (4 to 5 ms of a 35 ms
         decode step of the whole bench model on the development machine)."""
-        upcast = self.decode_fp32 and self.dtype != torch.float32
+        way = self.decode_way()
         low, high = self.decode_band
-        if rows is not None and low <= rows <= high and not upcast and not self.decode_onednn:
+        if rows is not None and low <= rows <= high and not way.upcast and not way.onednn:
             return nullcontext()
-        return _Linears(rows=self.decode_band, upcast=upcast, onednn=self.decode_onednn)
+        return way
 
 
 def linears_like(numerics: Numerics | None) -> AbstractContextManager[object]:
@@ -155,12 +162,7 @@ def linears_like(numerics: Numerics | None) -> AbstractContextManager[object]:
     which a reference computed the plain way shows. ``None``: nothing changes."""
     if numerics is None or not (numerics.prefill_onednn or numerics.decode_onednn):
         return nullcontext()
-    upcast = numerics.dtype != torch.float32
-    prefill = _Linears(rows=ONEDNN_ROWS if numerics.prefill_onednn else None,
-                       upcast=upcast and numerics.prefill_fp32, onednn=numerics.prefill_onednn)
-    decode = _Linears(rows=numerics.decode_band, upcast=upcast and numerics.decode_fp32,
-                      onednn=numerics.decode_onednn)
-    return _PhaseLinears(prefill, decode)
+    return _PhaseLinears(numerics.prefill_way(), numerics.decode_way())
 
 
 def numerics_from_name(name: str, device: str) -> Numerics:
