@@ -11,13 +11,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from meshd.bench.batch_server import OneProcessServer, Served
+from meshd.bench.continuous_server import PREFILL_CHUNK, ContinuousServer
 from meshd.bench.serving import (
+    CONTINUOUS,
     ONE_PROCESS,
     RATE_FRACTIONS,
     Completed,
@@ -32,6 +35,8 @@ from meshd.bench.serving import (
     sustained_rate,
 )
 from meshd.bench.workload import Prompt
+from meshd.errors import ShapeMismatch
+from meshd.runtime.numerics import default_numerics
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +125,15 @@ def test_serving_ratios_compare_each_mesh_with_the_one_process_in_the_same_run()
     assert got["closed_loop_ratio"] == {"4": {"1": 0.75, "3": 0.5}, "8": {"1": 0.9, "3": None}}
     assert got["sustained_rate"] == {ONE_PROCESS: 2.0, "1": 1.0, "3": None}
     assert got["sustained_ratio"] == {"1": 0.5, "3": None}
+    assert "continuous_closed_loop_ratio" not in got and "continuous_sustained_ratio" not in got
+
+    continuous = {"closed": {"4": {"tok_s": 60.0}, "8": {"tok_s": 90.0}}, "poisson": _poisson(100, 200, 300, 400)}
+    both = serving_ratios({ONE_PROCESS: one, CONTINUOUS: continuous, "1": mesh1, "3": mesh3}, 2.0)
+    assert both["closed_loop_ratio"] == got["closed_loop_ratio"]  # the continuous one process is no mesh
+    assert both["sustained_ratio"] == got["sustained_ratio"]
+    assert both["continuous_closed_loop_ratio"] == {"4": {"1": 0.5, "3": 0.3333}, "8": {"1": 0.5, "3": None}}
+    assert both["sustained_rate"][CONTINUOUS] == 4.0
+    assert both["continuous_sustained_ratio"] == {"1": 0.25, "3": None}
 
 
 def _requests(n: int, tokens: int = 3) -> list[ServeRequest]:
@@ -219,6 +233,60 @@ def test_the_one_process_server_refuses_an_empty_request(tiny_model):
         server.serve([], 4)
 
 
+def test_the_continuous_server_answers_each_request_with_its_own_greedy_tokens_in_shared_steps(tiny_model,
+                                                                                               tokenizer):
+    # one prompt longer than a prefill chunk: computed in two chunks, still the tokens of one pass
+    requests = mixed_requests(tokenizer, 8, seed=1, prompt_tokens=(8, 24, PREFILL_CHUNK + 40), new_tokens=(3, 9, 17))
+    assert any(len(r.prompt.ids) > PREFILL_CHUNK for r in requests)
+    with ContinuousServer(tiny_model, default_numerics(torch.float32, "cpu"), torch.get_num_threads()) as server:
+        server.max_batch = 4
+        done = run_closed(lambda r: server.serve(r.prompt.ids, r.new_tokens), requests, clients=4)
+        stats = server.stats()
+        early = server.serve([1, 2, 3], 1)
+        held = len(server.shard.kv)
+    single = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    assert 2 <= stats["largest_batch"] <= 4 and stats["prefill_slices"] >= 8
+    # each request's first token comes from its prefill, every later one from a decode step
+    assert sum(int(size) * n for size, n in stats["batch_sizes"].items()) == sum(r.new_tokens - 1 for r in requests)
+    assert all(c.completion_tokens == c.new_tokens == len(c.token_s) for c in done)
+    assert all(list(c.token_s) == sorted(c.token_s) and c.ttft_s > 0 for c in done)
+    for c, r in zip(done, requests, strict=True):
+        assert c.text == tokenizer.decode(_greedy(single, r.prompt.ids, r.new_tokens), skip_special_tokens=True)
+    assert early.completion_tokens == 1 and len(early.token_times) == 1
+    assert held == 0  # every finished request's KV is released
+
+
+def test_the_continuous_server_lets_a_request_join_while_another_decodes(tiny_model):
+    with ContinuousServer(tiny_model, default_numerics(torch.float32, "cpu"), 1) as server:
+        server.max_batch = 2
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            long = pool.submit(server.serve, [7, 8, 9], 400)
+            while server.stats()["batches"] == 0:  # the long request is decoding
+                time.sleep(0.001)
+            short = server.serve([7, 8, 9, 10], 3)
+            long_done = long.result()
+        stats = server.stats()
+
+    # a static batch would make it wait for all 400 steps; here it runs beside them
+    assert short.token_times[-1] < long_done.token_times[-1]
+    assert stats["batch_sizes"].get("2", 0) >= 2 and short.completion_tokens == 3
+
+
+def test_a_bad_request_on_the_continuous_server_fails_alone(tiny_model):
+    with ContinuousServer(tiny_model, default_numerics(torch.float32, "cpu"), 1, warm_up=False) as server:
+        server.max_batch = 2
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            good = pool.submit(server.serve, [7, 8, 9], 20)
+            bad = pool.submit(server.serve, [7, 10**6, 9], 5)  # a token id outside the vocabulary
+            with pytest.raises(ShapeMismatch, match="token ids"):
+                bad.result()
+            assert good.result().completion_tokens == 20
+        assert len(server.shard.kv) == 0
+        with pytest.raises(ValueError):
+            server.serve([], 4)
+
+
 LOAD_FIELDS = ("requests", "output_tokens", "wall_s", "tok_s", "req_s", "ttft_ms", "itl_ms", "latency_ms",
                "send_lag_ms_max", "tokens_exact", "replies_identical", "batches")
 
@@ -243,9 +311,11 @@ def test_bench_serve_on_tiny_model_reports_every_load_on_every_server(tmp_path, 
     assert len(report["workload"]) == 3
     assert all(w["prompt_tokens"] in (8, 24) and w["new_tokens"] in (4, 10) for w in report["workload"])
     assert report["clients"] == [2] and len(report["rates"]) == len(RATE_FRACTIONS)  # from the one process's capacity
-    capacity = report["rates_from"]["one_process_capacity_req_s"]
+    assert report["rates_from"]["server"] == CONTINUOUS
+    capacity = report["rates_from"]["capacity_req_s"]
+    assert capacity == report["servers"][CONTINUOUS]["capacity_req_s"]
     assert report["rates"][-1] == pytest.approx(capacity, rel=0.01)
-    assert set(report["servers"]) == {ONE_PROCESS, "1", "2"}
+    assert set(report["servers"]) == {ONE_PROCESS, CONTINUOUS, "1", "2"}
     for name, server in report["servers"].items():
         assert list(server["closed"]) == ["2"] and len(server["poisson"]) == len(RATE_FRACTIONS), name
         for figures in [*server["closed"].values(), *server["poisson"].values()]:
@@ -264,8 +334,11 @@ def test_bench_serve_on_tiny_model_reports_every_load_on_every_server(tmp_path, 
     assert report["servers"][ONE_PROCESS]["closed"]["2"]["batches"][0]["max_batch"] == 2
     assert set(report["closed_loop_ratio"]["2"]) == {"1", "2"}
     assert all(v > 0 for v in report["closed_loop_ratio"]["2"].values())
-    assert set(report["sustained_rate"]) == {ONE_PROCESS, "1", "2"} and set(report["sustained_ratio"]) == {"1", "2"}
+    assert set(report["sustained_rate"]) == {ONE_PROCESS, CONTINUOUS, "1", "2"}
+    assert set(report["sustained_ratio"]) == set(report["continuous_sustained_ratio"]) == {"1", "2"}
+    assert set(report["continuous_closed_loop_ratio"]["2"]) == {"1", "2"}
+    assert report["servers"][CONTINUOUS]["closed"]["2"]["batches"][0]["max_batch"] == 2
     assert report["tokens_exact"] is True
     assert report["replies_identical"] is True  # float32: the meshes answer what the one process answered
-    assert "sustained Poisson rate" in run.stdout and "one process" in run.stdout
+    assert "sustained Poisson rate" in run.stdout and "one process" in run.stdout and "one, continuous" in run.stdout
     assert "mesh of 2, 2 clients" in run.stderr

@@ -1,4 +1,8 @@
-"""The serving benchmark's ceiling: the whole model in the bench process, serving in batches.
+"""The serving benchmark's one process in static batches, and what both its one-process servers share.
+
+Both hold the whole model in the bench process on a compute thread of their own, with the requests
+queued to it (:class:`ThreadedServer`). This one serves them in static batches
+(:class:`OneProcessServer`); :mod:`meshd.bench.continuous_server` batches step by step.
 
 Whenever the model is free, the compute thread takes the requests that have arrived (up to
 ``max_batch``, oldest first) and runs one batched greedy ``generate()`` over them: prompts left-padded
@@ -28,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from meshd.runtime.numerics import Numerics, linears_like
 
@@ -46,32 +50,33 @@ class Served:
 
 
 @dataclass
-class _Pending:
+class Pending:
+    """A request queued for a one-process server: answered with its tokens' times and ids."""
+
     prompt_ids: list[int]
     new_tokens: int
     future: Future[tuple[tuple[float, ...], tuple[int, ...]]] = field(default_factory=Future)
 
 
-class OneProcessServer:
-    """The model loaded once; :meth:`serve` blocks its caller until the request is answered."""
+class ThreadedServer:
+    """The model on a compute thread of its own, requests queued to it: :meth:`serve` blocks its caller
+    until the request is answered. Subclasses load the model (:meth:`_load`) and serve the queue
+    (:meth:`_serve_queue`) on that thread; at most ``max_batch`` requests are computed together."""
 
-    def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True,
-                 numerics: Numerics | None = None) -> None:
+    label = "the one-process server"
+
+    def __init__(self, model_dir: Path, threads: int, warm_up: bool = True) -> None:
         from transformers import AutoTokenizer
 
-        self.numerics = numerics  # its linears compute as peers of this class do (linears_like)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model: Any = None
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.threads = threads
         self.max_batch = 1
         self.batch_sizes: Counter[int] = Counter()  # batches run, by size, since the last :meth:`reset_stats`
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[Pending] = deque()
         self._wake = threading.Condition()
         self._closed = False
         loaded: Future[None] = Future()
-        self._thread = threading.Thread(target=self._loop, args=(model_dir, dtype, loaded), name="one-process-server",
+        self._thread = threading.Thread(target=self._run, args=(model_dir, loaded), name=type(self).__name__,
                                         daemon=True)
         self._thread.start()
         loaded.result()
@@ -80,20 +85,14 @@ class OneProcessServer:
 
     def _warm_up(self) -> None:
         ids = list(self.tokenizer("warm up")["input_ids"])
-        done: list[Future[Any]] = []
-        with self._wake:
-            for n in (len(ids), 1):
-                pending = _Pending(ids[:n], 4)
-                self._queue.append(pending)
-                done.append(pending.future)
-            self.max_batch = 2
-            self._wake.notify()
+        self.max_batch = 2
+        done = [self._submit(ids[:n], 4) for n in (len(ids), 1)]
         for future in done:
             future.result()
         self.max_batch = 1
         self.reset_stats()
 
-    def __enter__(self) -> OneProcessServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -119,28 +118,61 @@ class OneProcessServer:
     def serve(self, prompt_ids: list[int], new_tokens: int) -> Served:
         """Queue a request for exactly ``new_tokens`` greedy tokens after ``prompt_ids``, as arrived now,
         and wait for its answer."""
-        if new_tokens < 1 or not prompt_ids:
-            raise ValueError("a request needs a prompt and at least one new token")
-        pending = _Pending(list(prompt_ids), new_tokens)
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("the one-process server is closed")
-            self._queue.append(pending)
-            self._wake.notify()
-        times, ids = pending.future.result()
+        times, ids = self._submit(prompt_ids, new_tokens).result()
         return Served(times, len(ids), self.tokenizer.decode(list(ids), skip_special_tokens=True), ids)
 
-    def _loop(self, model_dir: Path, dtype: Any, loaded: Future[None]) -> None:
+    def _submit(self, prompt_ids: list[int], new_tokens: int) -> Future[tuple[tuple[float, ...], tuple[int, ...]]]:
+        if new_tokens < 1 or not prompt_ids:
+            raise ValueError("a request needs a prompt and at least one new token")
+        pending = self._pending(list(prompt_ids), new_tokens)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError(f"{self.label} is closed")
+            self._queue.append(pending)
+            self._wake.notify()
+        return pending.future
+
+    def _pending(self, prompt_ids: list[int], new_tokens: int) -> Pending:
+        return Pending(prompt_ids, new_tokens)
+
+    def _run(self, model_dir: Path, loaded: Future[None]) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(self.threads)  # this thread's OpenMP team, as the bench process's
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            self._load(model_dir)
         except BaseException as exc:
             loaded.set_exception(exc)
             return
         loaded.set_result(None)
+        self._serve_queue()
+
+    def _load(self, model_dir: Path) -> None:
+        raise NotImplementedError
+
+    def _serve_queue(self) -> None:
+        raise NotImplementedError
+
+
+class OneProcessServer(ThreadedServer):
+    """The model loaded once with transformers, serving in static batches."""
+
+    def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True,
+                 numerics: Numerics | None = None) -> None:
+        self.numerics = numerics  # its linears compute as peers of this class do (linears_like)
+        self.dtype = dtype
+        self.model: Any = None
+        self.pad_token_id = 0
+        super().__init__(model_dir, threads, warm_up)
+
+    def _load(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).eval()
+
+    def _serve_queue(self) -> None:
         while True:
             with self._wake:
                 while not self._queue and not self._closed:
@@ -160,7 +192,7 @@ class OneProcessServer:
                     if not pending.future.done():
                         pending.future.set_exception(exc)
 
-    def _generate(self, batch: list[_Pending]) -> None:
+    def _generate(self, batch: list[Pending]) -> None:
         import torch
         from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 

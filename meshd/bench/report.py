@@ -343,7 +343,8 @@ def format_gguf_summary(report: dict) -> str:
 
 
 def _server_name(key: str) -> str:
-    return "one process" if key == "one_process" else f"{key} peer" + ("s" if key != "1" else "")
+    names = {"one_process": "one process", "one_process_continuous": "one, continuous"}
+    return names.get(key) or f"{key} peer" + ("s" if key != "1" else "")
 
 
 def _p3(window: dict, digits: str = ".0f") -> str:
@@ -364,7 +365,7 @@ def format_serve_summary(report: dict) -> str:
         f"{report['torch_threads']} torch threads, {report['cpu_count']} CPUs, load {report['load_avg_1m'][0]} -> "
         f"{report['load_avg_1m'][1]}",
         "",
-        f"{'load':16}{'server':13}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p95/p99 ms':>22}{'ITL p50/p95/p99 ms':>21}"
+        f"{'load':16}{'server':16}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p95/p99 ms':>22}{'ITL p50/p95/p99 ms':>21}"
         f"{'latency p50/p95/p99 ms':>25}{'batch':>7}  same",
     ]
     servers = report["servers"]
@@ -375,17 +376,24 @@ def format_serve_summary(report: dict) -> str:
                 got = server[kind].get(key)
                 if got is None:
                     continue
-                lines.append(f"{label:16}{_server_name(name):13}{_fmt(got['tok_s']):>9}{_fmt(got['req_s'], '.3f'):>8}"
+                lines.append(f"{label:16}{_server_name(name):16}{_fmt(got['tok_s']):>9}{_fmt(got['req_s'], '.3f'):>8}"
                              f"{_p3(got['ttft_ms']):>22}{_p3(got['itl_ms'], '.1f'):>21}{_p3(got['latency_ms']):>25}"
                              f"{_fmt(_mean_batch(got['batches'])):>7}  {got['replies_identical']}/{got['requests']}")
                 label = ""
-    lines.append("batch: mean decode batch (over the hops for a mesh); same: replies equal to the one process's")
-    for level, by_peers in report["closed_loop_ratio"].items():
-        cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in by_peers.items())
-        lines.append(f"closed loop, {level} clients: mesh tok/s over the one process's: {cells}")
-    sustained, ratio = report["sustained_rate"], report["sustained_ratio"]
-    cells = ", ".join(f"{_server_name(k)} {_fmt(v, 'g')}/s" + (f" ({_fmt(ratio[k], '.3f')}x)" if k in ratio else "")
-                      for k, v in sustained.items())
+    lines.append("one process: static batches (generate()); one, continuous: the whole model as one shard, batched "
+                 "step by step")
+    lines.append("batch: mean decode batch (over the hops for a mesh); same: replies equal to the first server's")
+    for prefix, against in (("", "the one process's"), ("continuous_", "the continuous one process's")):
+        for level, by_peers in report.get(f"{prefix}closed_loop_ratio", {}).items():
+            cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in by_peers.items())
+            lines.append(f"closed loop, {level} clients: mesh tok/s over {against}: {cells}")
+    sustained = report["sustained_rate"]
+    cells = ", ".join(f"{_server_name(k)} {_fmt(v, 'g')}/s" for k, v in sustained.items())
     lines.append(f"sustained Poisson rate (p95 TTFT under {report['ttft_bound_s']:g} s up to it): {cells}")
+    for prefix, against in (("", "the one process's"), ("continuous_", "the continuous one process's")):
+        ratio = report.get(f"{prefix}sustained_ratio")
+        if ratio is not None:
+            cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in ratio.items())
+            lines.append(f"sustained rate over {against}: {cells}")
     lines.append(f"every request got exactly its tokens: {'yes' if report['tokens_exact'] else 'NO'}")
     return "\n".join(lines)

@@ -3,16 +3,19 @@
 A mesh is a server, so it is measured as one: a seeded mix of requests (prompt and output lengths
 drawn from small sets, every output exactly its length) arrives either as a Poisson process at
 several rates or from N closed-loop clients (each sends its next request when its last one ends).
-The same requests, with the same arrival times, go to three servers in one run: the whole model in
-this process serving them in batches (:class:`~meshd.bench.batch_server.OneProcessServer`, the
-ceiling for one machine), and meshes of each peer count (real ``meshd run`` processes, even layer
-ranges, asked through the head's OpenAI API with streamed ``/v1/completions``).
+The same requests, with the same arrival times, go to every server in one run: the whole model in
+this process serving them in static batches (:class:`~meshd.bench.batch_server.OneProcessServer`, what
+transformers' ``generate()`` gives one machine), the whole model as one shard in this process batching
+step by step (:class:`~meshd.bench.continuous_server.ContinuousServer`, the mesh's engine without the
+network), and meshes of each peer count (real ``meshd run`` processes, even layer ranges, asked
+through the head's OpenAI API with streamed ``/v1/completions``). Ratios are taken against each of
+the two one-process servers.
 
 Every time is taken by the client: a request's TTFT and latency count from its scheduled arrival
 (so a wait for a busy server counts), inter-token latency is the gap between successive streamed
-chunks of one request. Poisson rates default to fractions of the one-process server's closed-loop
-capacity, measured first; a server *sustains* a rate when its p95 TTFT stays under a bound there and
-at every lower rate tested.
+chunks of one request. Poisson rates default to fractions of the continuous one-process server's
+closed-loop capacity (the higher one process's), measured first; a server *sustains* a rate when its
+p95 TTFT stays under a bound there and at every lower rate tested.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.bench.batch_server import OneProcessServer, Served
+from meshd.bench.continuous_server import ContinuousServer
 from meshd.bench.runner import (
     BenchError,
     PeerClasses,
@@ -57,9 +61,11 @@ NEW_TOKENS = (16, 32, 64, 128)
 CLIENTS = (4, 8)
 PEERS = (1, 3)
 REQUESTS = 8
-RATE_FRACTIONS = (0.5, 0.75, 1.0)  # of the one-process capacity, when no rates are given
+RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the continuous one process's capacity, when no rates are given
 TTFT_BOUND_S = 2.0
-ONE_PROCESS = "one_process"
+ONE_PROCESS = "one_process"  # static batches
+CONTINUOUS = "one_process_continuous"  # step by step
+ONE_PROCESS_SERVERS = (ONE_PROCESS, CONTINUOUS)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class ServeConfig:
     model: str  # a built-in model's name or a model directory
     peers: tuple[int, ...] = PEERS
     clients: tuple[int, ...] = CLIENTS
-    rates: tuple[float, ...] = ()  # requests/s; empty: RATE_FRACTIONS of the one-process capacity
+    rates: tuple[float, ...] = ()  # requests/s; empty: RATE_FRACTIONS of the continuous one process's capacity
     requests: int = REQUESTS  # per load
     seed: int = 0
     ttft_bound_s: float = TTFT_BOUND_S
@@ -268,15 +274,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def serving_ratios(servers: dict[str, dict], bound_s: float) -> dict[str, Any]:
-    """Within the run: each mesh's closed-loop tok/s over the one process's at the same level, each
-    server's sustained rate, and each mesh's over the one process's."""
-    one = servers[ONE_PROCESS]
-    meshes = {k: v for k, v in servers.items() if k != ONE_PROCESS}
-    closed = {level: {k: _ratio(mesh["closed"].get(level, {}).get("tok_s"), got["tok_s"])
-                      for k, mesh in meshes.items()} for level, got in one["closed"].items()}
+    """Within the run: each server's sustained rate; against the static one process, each mesh's
+    closed-loop tok/s over its own at the same level and each mesh's sustained rate over its own
+    (``closed_loop_ratio``, ``sustained_ratio``); the same against the continuous one process where
+    it ran (``continuous_closed_loop_ratio``, ``continuous_sustained_ratio``)."""
+    meshes = {k: v for k, v in servers.items() if k not in ONE_PROCESS_SERVERS}
     sustained = {k: sustained_rate(v["poisson"], bound_s) for k, v in servers.items()}
-    return {"closed_loop_ratio": closed, "sustained_rate": sustained,
-            "sustained_ratio": {k: _ratio(sustained[k], sustained[ONE_PROCESS]) for k in meshes}}
+    out: dict[str, Any] = {"sustained_rate": sustained}
+    for against, prefix in ((ONE_PROCESS, ""), (CONTINUOUS, "continuous_")):
+        one = servers.get(against)
+        if one is None:
+            continue
+        out[f"{prefix}closed_loop_ratio"] = {
+            level: {k: _ratio(mesh["closed"].get(level, {}).get("tok_s"), got["tok_s"]) for k, mesh in meshes.items()}
+            for level, got in one["closed"].items()}
+        out[f"{prefix}sustained_ratio"] = {k: _ratio(sustained[k], sustained[against]) for k in meshes}
+    return out
 
 
 @dataclass(frozen=True)
@@ -314,17 +327,17 @@ def run_loads(target: Target, loads: list[Load], requests: list[ServeRequest], s
         say(f"{target.label}, {load.label}: {figures['tok_s']:.2f} tok/s, {figures['req_s']:.3f} req/s; TTFT p50/p95 "
             f"{figures['ttft_ms']['p50']:.0f}/{figures['ttft_ms']['p95']:.0f} ms, ITL p50 "
             f"{figures['itl_ms'].get('p50', 0):.1f} ms; {figures['replies_identical']}/{len(done)} replies as the "
-            "one process's")
+            "first server's")
         advance()
     return out
 
 
-def _one_process_target(server: OneProcessServer, poisson_batch: int) -> Target:
+def _one_process_target(label: str, server: OneProcessServer | ContinuousServer, poisson_batch: int) -> Target:
     def begin(load: Load) -> None:
         server.max_batch = int(load.level) if load.kind == "closed" else poisson_batch
         server.reset_stats()
 
-    return Target("one process", lambda r: server.serve(r.prompt.ids, r.new_tokens), begin,
+    return Target(label, lambda r: server.serve(r.prompt.ids, r.new_tokens), begin,
                   lambda: [server.stats() | {"max_batch": server.max_batch}])
 
 
@@ -358,12 +371,15 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
     servers: dict[str, dict] = {}
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="meshd-serve-"))
     try:
-        with progress("serve", (len(clients) + n_rates) * (1 + len(cfg.peers)), "loads",
+        with progress("serve", (len(clients) + n_rates) * (len(ONE_PROCESS_SERVERS) + len(cfg.peers)), "loads",
                       say=lambda _line: None) as bar:
-            servers[ONE_PROCESS], rates = _serve_one_process(model_dir, held, classes.of(cfg.dtype), threads, cfg,
-                                                             requests, reference, say, bar.advance)
-            gc.collect()  # the one process's model, before the peers load theirs
+            servers[CONTINUOUS], rates = _serve_continuous(model_dir, classes.of(cfg.dtype), threads, cfg, requests,
+                                                           reference, say, bar.advance)
+            gc.collect()  # each one-process model, before the next server loads its own
             loads = [Load("closed", c) for c in clients] + [Load("poisson", r) for r in rates]
+            servers[ONE_PROCESS] = _serve_static(model_dir, held, classes.of(cfg.dtype), threads, cfg, requests, loads,
+                                                 reference, say, bar.advance)
+            gc.collect()
             for k in sorted(cfg.peers):
                 servers[str(k)] = _serve_mesh(model_dir, model_id, even_ranges(n_layers, k), threads,
                                               workdir / f"serve-peers{k}", cfg, classes, requests, loads,
@@ -381,7 +397,8 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
         "workload": [{"prompt_tokens": len(r.prompt.ids), "new_tokens": r.new_tokens} for r in requests],
         "clients": clients, "rates": rates,
         "rates_from": "given" if cfg.rates else {
-            "one_process_capacity_req_s": servers[ONE_PROCESS]["capacity_req_s"], "fractions": list(RATE_FRACTIONS)},
+            "server": CONTINUOUS, "capacity_req_s": servers[CONTINUOUS]["capacity_req_s"],
+            "fractions": list(RATE_FRACTIONS)},
     }
     every = [f for server in servers.values() for kind in ("closed", "poisson") for f in server[kind].values()]
     return {**meta, "servers": servers, **serving_ratios(servers, cfg.ttft_bound_s),
@@ -389,28 +406,42 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
             "replies_identical": all(f["replies_identical"] == f["requests"] for f in every)}
 
 
-def _serve_one_process(model_dir: Path, dtype: Any, numerics: Numerics, threads: int, cfg: ServeConfig,
-                       requests: list[ServeRequest], reference: dict[int, str], say: Say,
-                       advance: Callable[[], None]) -> tuple[dict, list[float]]:
-    """Every load on the one-process server (its linears as the peers', ``numerics``), closed loops
-    first: its figures and the Poisson rates, which without ``cfg.rates`` are fractions of its
-    closed-loop capacity."""
+def _serve_continuous(model_dir: Path, numerics: Numerics, threads: int, cfg: ServeConfig,
+                      requests: list[ServeRequest], reference: dict[int, str], say: Say,
+                      advance: Callable[[], None]) -> tuple[dict, list[float]]:
+    """Every load on the continuous one-process server (the whole model as one shard of the peers'
+    class, ``numerics``), closed loops first: its figures and the Poisson rates, which without
+    ``cfg.rates`` are fractions of its closed-loop capacity (the higher of the one process's two)."""
     clients = sorted(cfg.clients)
     poisson_batch = max(clients)
-    say(f"one process: loading {model_dir.name}, batches of up to the closed-loop level, {poisson_batch} under "
-        "Poisson arrivals")
-    with OneProcessServer(model_dir, dtype, threads, numerics=numerics) as server:
-        target = _one_process_target(server, poisson_batch)
+    say(f"one process, continuous: loading {model_dir.name} as one shard ({numerics.name}), up to the "
+        f"closed-loop level at once, {poisson_batch} under Poisson arrivals")
+    with ContinuousServer(model_dir, numerics, threads) as server:
+        target = _one_process_target("one process, continuous", server, poisson_batch)
         closed = run_loads(target, [Load("closed", c) for c in clients], requests, cfg.seed, reference, say,
                            advance)["closed"]
         capacity = max(closed.values(), key=lambda f: f["req_s"] or 0.0)
         rates = sorted(cfg.rates) or [float(f"{capacity['req_s'] * f:.3g}") for f in RATE_FRACTIONS]
-        say(f"one process: capacity {capacity['req_s']:.3f} req/s ({capacity['tok_s']:.2f} tok/s); Poisson rates "
-            f"{', '.join(f'{r:g}' for r in rates)}/s")
+        say(f"one process, continuous: capacity {capacity['req_s']:.3f} req/s ({capacity['tok_s']:.2f} tok/s); "
+            f"Poisson rates {', '.join(f'{r:g}' for r in rates)}/s")
         poisson = run_loads(target, [Load("poisson", r) for r in rates], requests, cfg.seed, reference, say,
                             advance)["poisson"]
     return {"closed": closed, "poisson": poisson, "capacity_req_s": capacity["req_s"],
-            "poisson_max_batch": poisson_batch}, rates
+            "poisson_max_batch": poisson_batch, "numerics": numerics.name}, rates
+
+
+def _serve_static(model_dir: Path, dtype: Any, numerics: Numerics, threads: int, cfg: ServeConfig,
+                  requests: list[ServeRequest], loads: list[Load], reference: dict[int, str], say: Say,
+                  advance: Callable[[], None]) -> dict:
+    """Every load on the static one-process server (transformers, its linears as the peers',
+    ``numerics``), batches of up to the closed-loop level, and of the most clients under Poisson arrivals."""
+    poisson_batch = max(cfg.clients)
+    say(f"one process: loading {model_dir.name}, batches of up to the closed-loop level, {poisson_batch} under "
+        "Poisson arrivals")
+    with OneProcessServer(model_dir, dtype, threads, numerics=numerics) as server:
+        figures = run_loads(_one_process_target("one process", server, poisson_batch), loads, requests, cfg.seed,
+                            reference, say, advance)
+    return {**figures, "poisson_max_batch": poisson_batch}
 
 
 def _serve_mesh(model_dir: Path, model_id: str, ranges: list[tuple[int, int]], threads: int, workdir: Path,

@@ -283,16 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = bench.add_argument_group(
         "serving (--serve)", "Requests arriving at a server instead of single sessions: a seeded mix of prompt and "
         "output lengths, sent as Poisson arrivals at several rates and from closed-loop clients, to one process "
-        "serving the model in batches (the ceiling for one machine) and to meshes of each --peers count. "
+        "serving the model in static batches (transformers' generate()), to one process batching step by step "
+        "(the mesh's engine without the network) and to meshes of each --peers count. "
         "--concurrency, --runs, --prompt-tokens and --new-tokens do not apply.")
     serve.add_argument("--serve", action="store_true",
                        help="run the serving benchmark instead of the standard workload (docs/benchmarks.md)")
     serve.add_argument("--serve-rates", type=_float_list, metavar="LIST",
-                       help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.5, 0.75 and 1 times "
-                       "the one process's closed-loop capacity, measured first)")
+                       help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.25, 0.5, 0.75 and 1 "
+                       "times the closed-loop capacity of the one process batching step by step, measured first)")
     serve.add_argument("--serve-clients", type=_int_list, default=(4, 8), metavar="LIST",
                        help="closed-loop client counts: each client sends its next request when its last one ends; "
-                       "the one process batches up to this many, and up to the largest under Poisson arrivals "
+                       "each one-process server batches up to this many, and up to the largest under Poisson arrivals "
                        "(default 4,8)")
     serve.add_argument("--serve-requests", type=int, default=8, metavar="N",
                        help="requests per load, i.e. per rate and per client count (default 8)")

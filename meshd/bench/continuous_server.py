@@ -1,0 +1,188 @@
+"""The serving benchmark's ceiling of one machine: the whole model as one shard in the bench process,
+batching step by step.
+
+A static batch (:class:`~meshd.bench.batch_server.OneProcessServer`) makes a request that arrives
+while it computes wait for all of it, which is what one process gets from transformers'
+``generate()``. This server schedules every step instead, as a peer's batcher does
+(:mod:`meshd.runtime.batching`): each cycle runs one decode step of every running request as one batch,
+then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a layer at least), then decodes
+again. A request joins the batch as soon as its prompt is computed and leaves it with its last token,
+and a prompt stalls the running requests by one slice at most.
+
+It computes through the very :class:`~meshd.runtime.shard.Shard` a peer runs, holding every layer
+``[0, n)``, in the peers' numerics class: the mesh's own engine on one machine, without the network,
+the codec or a second process. Loading and every step run on the server's compute thread
+(:class:`~meshd.bench.batch_server.ThreadedServer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshd.bench.batch_server import Pending, ThreadedServer
+from meshd.runtime.batching import SLICE_S
+from meshd.runtime.numerics import Numerics
+
+PREFILL_CHUNK = 512  # tokens per prefill chunk, as the mesh's entry cuts a prompt
+
+
+@dataclass
+class _Request(Pending):
+    """One request from its arrival to its last token."""
+
+    session_id: str = ""
+    chunks: deque[Any] = field(default_factory=deque)  # prefill bundles not yet started
+    prefill: Any = None  # the PrefillRun of the chunk being computed
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """Where its next decode step starts: the prompt and every token but the last are in the KV."""
+        return len(self.prompt_ids) + len(self.tokens) - 1
+
+    def took(self, token: int) -> bool:
+        """Record a token as it comes out; True once the request has all it asked for."""
+        self.tokens.append(token)
+        self.times.append(time.perf_counter())
+        return len(self.tokens) >= self.new_tokens
+
+
+class ContinuousServer(ThreadedServer):
+    """The model loaded once as a whole-range shard of the class ``numerics``. At most ``max_batch``
+    requests are running or prefilling at a time; the rest wait in arrival order."""
+
+    label = "the continuous server"
+
+    def __init__(self, model_dir: Path, numerics: Numerics, threads: int, warm_up: bool = True,
+                 slice_s: float = SLICE_S) -> None:
+        self.numerics = numerics
+        self.slice_s = slice_s
+        self.prefill_slices = 0
+        self.longest_slice_s = 0.0
+        self.shard: Any = None
+        self._ids = itertools.count()
+        super().__init__(model_dir, threads, warm_up)
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.prefill_slices = 0
+        self.longest_slice_s = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """Its decode steps by batch size, and the prefill slices run since the last reset."""
+        return super().stats() | {"prefill_slices": self.prefill_slices,
+                                  "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3)}
+
+    def _pending(self, prompt_ids: list[int], new_tokens: int) -> Pending:
+        return _Request(prompt_ids, new_tokens, session_id=f"serve-{next(self._ids)}")
+
+    # -- the compute thread ----------------------------------------------------------------------
+
+    def _load(self, model_dir: Path) -> None:
+        from meshd.runtime.loader import load_config
+        from meshd.runtime.shard import Shard
+
+        self.shard = Shard(model_dir, 0, load_config(model_dir).num_hidden_layers, numerics=self.numerics,
+                           max_chunk_tokens=PREFILL_CHUNK)
+
+    def _serve_queue(self) -> None:
+        running: list[_Request] = []  # decoding
+        prefilling: deque[_Request] = deque()  # admitted, prompt not yet computed
+        while True:
+            with self._wake:
+                while not (self._queue or running or prefilling or self._closed):
+                    self._wake.wait()
+                if self._closed:
+                    for request in [*running, *prefilling, *self._queue]:
+                        assert isinstance(request, _Request)
+                        self._fail(request, RuntimeError("the continuous server closed"))
+                    return
+                while self._queue and len(running) + len(prefilling) < self.max_batch:
+                    admitted = self._queue.popleft()
+                    assert isinstance(admitted, _Request)
+                    prefilling.append(self._admitted(admitted))
+            if running:
+                running = self._decode(running)
+            if prefilling:
+                request = prefilling[0]
+                try:
+                    first = self._prefill_slice(request)
+                except Exception as exc:
+                    prefilling.popleft()
+                    self._fail(request, exc)
+                    continue
+                if first is not None:
+                    prefilling.popleft()
+                    if request.took(first):
+                        self._finish(request)
+                    else:
+                        running.append(request)
+
+    def _admitted(self, request: _Request) -> _Request:
+        from meshd.runtime.chain import input_bundles
+        from meshd.wire.bundle import Sampling
+
+        request.chunks.extend(input_bundles(request.session_id, 0, request.prompt_ids, 0, PREFILL_CHUNK,
+                                            (0, self.shard.spec.n_layers), Sampling()))
+        return request
+
+    def _prefill_slice(self, request: _Request) -> int | None:
+        """Compute one slice of the request's prompt; its first token once all of it is computed."""
+        if request.prefill is None:
+            request.prefill = self.shard.start_prefill(request.chunks.popleft())
+        started = time.monotonic()
+        deadline = started + self.slice_s
+        done = request.prefill.advance(lambda: time.monotonic() >= deadline)
+        self.prefill_slices += 1
+        self.longest_slice_s = max(self.longest_slice_s, time.monotonic() - started)
+        if not done:
+            return None
+        result = request.prefill.finish()
+        request.prefill = None
+        if request.chunks:
+            return None
+        if result.token is None:
+            raise RuntimeError(f"the prefill of {request.session_id} gave no token")
+        return int(result.token)
+
+    def _decode(self, running: list[_Request]) -> list[_Request]:
+        """One decode step of every running request as one batch; the requests still running after it."""
+        from meshd.runtime.chain import input_bundles
+        from meshd.wire.bundle import Sampling
+
+        head = (0, self.shard.spec.n_layers)
+        bundles = [next(input_bundles(r.session_id, 0, r.tokens[-1:], r.position, 1, head, Sampling(),
+                                      step=len(r.tokens))) for r in running]
+        outcomes = self.shard.forward_batch(bundles)
+        self.batch_sizes[len(running)] += 1
+        still: list[_Request] = []
+        for request, outcome in zip(running, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self._fail(request, outcome)
+            elif outcome.token is None:
+                self._fail(request, RuntimeError(f"the decode step of {request.session_id} gave no token"))
+            elif request.took(int(outcome.token)):
+                self._finish(request)
+            else:
+                still.append(request)
+        return still
+
+    def _finish(self, request: _Request) -> None:
+        self.shard.release(request.session_id, 0)
+        request.future.set_result((tuple(request.times), tuple(request.tokens)))
+
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        """The request's client hears of ``exc``; its KV goes, and every other request keeps running."""
+        if request.prefill is not None:
+            request.prefill.abort()
+            request.prefill = None
+        if self.shard is not None:
+            self.shard.release(request.session_id, 0)
+        if not request.future.done():
+            request.future.set_exception(exc)
