@@ -61,7 +61,9 @@ NEW_TOKENS = (16, 32, 64, 128)
 CLIENTS = (4, 8)
 PEERS = (1, 3)
 REQUESTS = 8
-RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the continuous one process's capacity, when no rates are given
+# of the continuous one process's capacity, when no rates are given: one past it, so that a server
+# keeping the bound at every rate up to its capacity is told from one that keeps it beyond
+RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.5)
 TTFT_BOUND_S = 2.0
 ONE_PROCESS = "one_process"  # static batches
 CONTINUOUS = "one_process_continuous"  # step by step

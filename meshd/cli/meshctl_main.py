@@ -289,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serve", action="store_true",
                        help="run the serving benchmark instead of the standard workload (docs/benchmarks.md)")
     serve.add_argument("--serve-rates", type=_float_list, metavar="LIST",
-                       help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.25, 0.5, 0.75 and 1 "
-                       "times the closed-loop capacity of the one process batching step by step, measured first)")
+                       help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.25, 0.5, 0.75, 1 and "
+                       "1.5 times the closed-loop capacity of the one process batching step by step, measured first)")
     serve.add_argument("--serve-clients", type=_int_list, default=(4, 8), metavar="LIST",
                        help="closed-loop client counts: each client sends its next request when its last one ends; "
                        "each one-process server batches up to this many, and up to the largest under Poisson arrivals "
