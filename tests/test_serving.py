@@ -228,6 +228,21 @@ def test_the_one_process_server_answers_a_short_request_before_its_batch_ends(ti
     assert [c.completion_tokens for c in done] == [2, 60]
 
 
+def test_the_one_process_server_computes_int8_where_the_peers_do(tiny_model):
+    from dataclasses import replace
+
+    from meshd.runtime.int8 import int8_bytes
+
+    numerics = replace(default_numerics(torch.float32, "cpu"), weights="int8")
+    with OneProcessServer(tiny_model, torch.float32, 1, numerics=numerics) as server:
+        served = server.serve([7, 8, 9], 5)
+        quantized = int8_bytes(server.model)
+    with ContinuousServer(tiny_model, numerics, 1) as continuous:
+        same = continuous.serve([7, 8, 9], 5)
+    assert quantized > 0 and served.completion_tokens == 5
+    assert served.token_ids == same.token_ids  # the same int8 linears in both one-process servers
+
+
 def test_the_one_process_server_refuses_an_empty_request(tiny_model):
     with OneProcessServer(tiny_model, torch.float32, 1, warm_up=False) as server, pytest.raises(ValueError):
         server.serve([], 4)

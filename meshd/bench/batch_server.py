@@ -155,7 +155,8 @@ class ThreadedServer:
 
 
 class OneProcessServer(ThreadedServer):
-    """The model loaded once with transformers, serving in static batches."""
+    """The model loaded once with transformers, serving in static batches; with ``numerics`` of int8
+    weights, its linears are int8 as the peers' are."""
 
     def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True,
                  numerics: Numerics | None = None) -> None:
@@ -170,7 +171,13 @@ class OneProcessServer(ThreadedServer):
 
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).eval()
+        from meshd.runtime.int8 import quantize_linears, release_freed_memory
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        if self.numerics is not None and self.numerics.int8:  # as the peers' (and the bench baseline's) int8
+            quantize_linears(model)
+            release_freed_memory()
+        self.model = model.eval()
 
     def _serve_queue(self) -> None:
         while True:
