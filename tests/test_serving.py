@@ -302,6 +302,22 @@ def test_a_bad_request_on_the_continuous_server_fails_alone(tiny_model):
             server.serve([], 4)
 
 
+def test_a_failed_decode_step_fails_its_requests_and_the_continuous_server_serves_on(tiny_model):
+    with ContinuousServer(tiny_model, default_numerics(torch.float32, "cpu"), 1, warm_up=False) as server:
+        server.max_batch = 2
+        real = server.shard.forward_batch
+
+        def broken(bundles):
+            server.shard.forward_batch = real  # once
+            raise RuntimeError("the step broke")
+
+        server.shard.forward_batch = broken
+        with pytest.raises(RuntimeError, match="the step broke"):
+            server.serve([7, 8, 9], 5)
+        assert len(server.shard.kv) == 0  # its KV went with it
+        assert server.serve([7, 8, 9], 5).completion_tokens == 5
+
+
 LOAD_FIELDS = ("requests", "output_tokens", "wall_s", "tok_s", "req_s", "ttft_ms", "itl_ms", "latency_ms",
                "send_lag_ms_max", "tokens_exact", "replies_identical", "batches")
 

@@ -36,6 +36,7 @@ class _Request(Pending):
     """One request from its arrival to its last token."""
 
     session_id: str = ""
+    chunked: bool = False  # its prompt has been cut into prefill bundles
     chunks: deque[Any] = field(default_factory=deque)  # prefill bundles not yet started
     prefill: Any = None  # the PrefillRun of the chunk being computed
     tokens: list[int] = field(default_factory=list)
@@ -106,35 +107,46 @@ class ContinuousServer(ThreadedServer):
                 while self._queue and len(running) + len(prefilling) < self.max_batch:
                     admitted = self._queue.popleft()
                     assert isinstance(admitted, _Request)
-                    prefilling.append(self._admitted(admitted))
-            if running:
-                running = self._decode(running)
-            if prefilling:
-                request = prefilling[0]
-                try:
-                    first = self._prefill_slice(request)
-                except Exception as exc:
-                    prefilling.popleft()
+                    prefilling.append(admitted)
+            try:
+                running = self._cycle(running, prefilling)
+            except Exception as exc:  # every admitted request hears of it; the server keeps serving
+                for request in [*running, *prefilling]:
                     self._fail(request, exc)
-                    continue
-                if first is not None:
-                    prefilling.popleft()
-                    if request.took(first):
-                        self._finish(request)
-                    else:
-                        running.append(request)
+                running, prefilling = [], deque()
 
-    def _admitted(self, request: _Request) -> _Request:
-        from meshd.runtime.chain import input_bundles
-        from meshd.wire.bundle import Sampling
-
-        request.chunks.extend(input_bundles(request.session_id, 0, request.prompt_ids, 0, PREFILL_CHUNK,
-                                            (0, self.shard.spec.n_layers), Sampling()))
-        return request
+    def _cycle(self, running: list[_Request], prefilling: deque[_Request]) -> list[_Request]:
+        """One decode step of the running requests, then one prefill slice of the oldest waiting
+        prompt (a request whose prompt fails gets its error alone); the requests running after it."""
+        if running:
+            running = self._decode(running)
+        if not prefilling:
+            return running
+        request = prefilling[0]
+        try:
+            first = self._prefill_slice(request)
+        except Exception as exc:
+            prefilling.popleft()
+            self._fail(request, exc)
+            return running
+        if first is not None:
+            prefilling.popleft()
+            if request.took(first):
+                self._finish(request)
+            else:
+                running.append(request)
+        return running
 
     def _prefill_slice(self, request: _Request) -> int | None:
         """Compute one slice of the request's prompt; its first token once all of it is computed."""
+        from meshd.runtime.chain import input_bundles
+        from meshd.wire.bundle import Sampling
+
         if request.prefill is None:
+            if not request.chunked:  # its first slice
+                request.chunked = True
+                request.chunks.extend(input_bundles(request.session_id, 0, request.prompt_ids, 0, PREFILL_CHUNK,
+                                                    (0, self.shard.spec.n_layers), Sampling()))
             request.prefill = self.shard.start_prefill(request.chunks.popleft())
         started = time.monotonic()
         deadline = started + self.slice_s
