@@ -3,11 +3,13 @@ batching step by step.
 
 A static batch (:class:`~meshd.bench.batch_server.OneProcessServer`) makes a request that arrives
 while it computes wait for all of it, which is what one process gets from transformers'
-``generate()``. This server schedules every step instead, as a peer's batcher does
-(:mod:`meshd.runtime.batching`): each cycle runs one decode step of every running request as one batch,
-then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a layer at least), then decodes
-again. A request joins the batch as soon as its prompt is computed and leaves it with its last token,
-and a prompt stalls the running requests by one slice at most.
+``generate()``. This server schedules every step instead: each cycle runs one decode step of every
+running request as one batch, then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a
+layer at least), then decodes again. A peer's batcher (:mod:`meshd.runtime.batching`) slices prompts
+in the same ``PrefillRun`` pieces but ends a slice as soon as a decode step waits; here a slice always
+runs its ``SLICE_S``, since every running request is waiting for the next cycle. A request joins
+the batch as soon as its prompt is computed and leaves it with its last token, and a prompt stalls
+the running requests by one slice at most.
 
 It computes through the very :class:`~meshd.runtime.shard.Shard` a peer runs, holding every layer
 ``[0, n)``, in the peers' numerics class: the mesh's own engine on one machine, without the network,

@@ -356,6 +356,10 @@ def _mean_batch(batches: list[dict]) -> float | None:
     return _mean([b["mean_batch"] for b in batches if b.get("mean_batch") is not None])
 
 
+# the one-process servers each mesh's ratios are taken against: the key prefix of the ratios, and in words
+_AGAINST = (("", "the one process's"), ("continuous_", "the continuous one process's"))
+
+
 def format_serve_summary(report: dict) -> str:
     """The serving benchmark: every load on every server, then the ratios within the run."""
     lines = [
@@ -383,14 +387,14 @@ def format_serve_summary(report: dict) -> str:
     lines.append("one process: static batches (generate()); one, continuous: the whole model as one shard, batched "
                  "step by step")
     lines.append("batch: mean decode batch (over the hops for a mesh); same: replies equal to the first server's")
-    for prefix, against in (("", "the one process's"), ("continuous_", "the continuous one process's")):
+    for prefix, against in _AGAINST:
         for level, by_peers in report.get(f"{prefix}closed_loop_ratio", {}).items():
             cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in by_peers.items())
             lines.append(f"closed loop, {level} clients: mesh tok/s over {against}: {cells}")
     sustained = report["sustained_rate"]
     cells = ", ".join(f"{_server_name(k)} {_fmt(v, 'g')}/s" for k, v in sustained.items())
     lines.append(f"sustained Poisson rate (p95 TTFT under {report['ttft_bound_s']:g} s up to it): {cells}")
-    for prefix, against in (("", "the one process's"), ("continuous_", "the continuous one process's")):
+    for prefix, against in _AGAINST:
         ratio = report.get(f"{prefix}sustained_ratio")
         if ratio is not None:
             cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in ratio.items())

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshd.bench.batch_server import OneProcessServer, Served
+from meshd.bench.batch_server import OneProcessServer, Served, ThreadedServer
 from meshd.bench.continuous_server import ContinuousServer
 from meshd.bench.runner import (
     BenchError,
@@ -334,7 +334,7 @@ def run_loads(target: Target, loads: list[Load], requests: list[ServeRequest], s
     return out
 
 
-def _one_process_target(label: str, server: OneProcessServer | ContinuousServer, poisson_batch: int) -> Target:
+def _one_process_target(label: str, server: ThreadedServer, poisson_batch: int) -> Target:
     def begin(load: Load) -> None:
         server.max_batch = int(load.level) if load.kind == "closed" else poisson_batch
         server.reset_stats()
