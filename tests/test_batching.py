@@ -285,12 +285,13 @@ async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(aut
         nursery.start_soon(submit, "p1", _bundle("p1", Phase.PREFILL, 0, 8), 0.2)
         nursery.start_soon(submit, "p2", _bundle("p2", Phase.PREFILL, 0, 8), 0.25)
         nursery.start_soon(submit, "bad", _bundle("bad", Phase.DECODE, 3), 0.3)
-    # a alone; then up to 3 waiting decodes with one prefill chunk after them; then the rest
-    assert rec.calls == [["a"], ["b", "c", "d"], ["p1"], ["e", "bad"], ["p2"]]
+    # a alone; then up to 3 waiting decodes; e, which waited for the turn before p1, and bad with it;
+    # then the prefill chunks, each computed by its own submitter, so no decode step's result waits for one
+    assert rec.calls == [["a"], ["b", "c", "d"], ["e", "bad"], ["p1"], ["p2"]]
     assert results == {"a": 5, "b": 10, "c": 11, "d": 12, "e": 13, "p1": 0, "p2": 0, "bad": "bad"}
     # each step's time is split into waiting for the compute and computing (1 s per call here)
     assert waited["a"] == (0, 1000) and waited["b"] == (900, 1000) and waited["d"] == (880, 1000)
-    assert waited["p1"] == (1800, 1000) and waited["e"] == (2870, 1000)
+    assert waited["p1"] == (2800, 1000) and waited["e"] == (1870, 1000)
     assert batcher.stats.decode_batches == 3 and batcher.stats.largest_batch == 3
     assert batcher.stats.prefill_chunks == 2 and batcher.waiting == 0
 
@@ -563,19 +564,21 @@ def test_a_slice_that_fails_leaves_the_session_as_it_was(tiny_model, monkeypatch
 
 
 class _SlicedRecorder(_Recorder):
-    """Fake compute whose prefill chunks take ``slices`` slices of ``delay`` seconds each."""
+    """Fake compute whose decode steps take 1 s, and prefill chunks ``slices`` pieces of ``piece_s``
+    seconds each, with a chance to pause after each."""
 
-    def __init__(self, slices: int) -> None:
+    def __init__(self, slices: int, piece_s: float = 1.0) -> None:
         super().__init__(delay=1.0)
         self.slices = slices
+        self.piece_s = piece_s
 
     async def prefill(self, bundle, pause, between):
         for i in range(self.slices):
             self.calls.append([f"{bundle.session_id}/{i}"])
-            await trio.sleep(self.delay)
+            await trio.sleep(self.piece_s)
             if i < self.slices - 1 and pause():
                 await between()
-        return StepResult(token=bundle.start_position), self.slices * self.delay
+        return StepResult(token=bundle.start_position), self.slices * self.piece_s
 
 
 async def test_decode_steps_queued_during_a_prefill_run_between_its_slices(autojump_clock):
@@ -601,3 +604,76 @@ async def test_decode_steps_queued_during_a_prefill_run_between_its_slices(autoj
     assert stats["decodes_between_slices"] == 2 and stats["prefill_chunks"] == 1
     assert stats["decode_batches"] == 2 and batcher.waiting == 0
     assert batcher.costs.summary()["prefill_ms_by_chunk"] == {"64": 4000.0}  # the whole chunk's compute
+
+
+async def test_a_decode_step_that_takes_the_turn_is_not_held_up_by_a_prefill_chunk(autojump_clock):
+    """The submitter whose turn runs a decode batch returns with its result; a prompt queued meanwhile
+    is computed by its own submitter's turn."""
+    rec = _SlicedRecorder(slices=4)
+    batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill, slice_s=1e-9, hold_factor=0.0)
+    done = {}
+
+    async def submit(name, bundle, delay):
+        await trio.sleep(delay)
+        await batcher.submit(bundle)
+        done[name] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit, "x", _bundle("x", Phase.DECODE, 3), 0.0)
+        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 7), 0.1)
+        nursery.start_soon(submit, "p", _bundle("p", Phase.PREFILL, 0, 64), 0.2)
+    assert rec.calls == [["x"], ["a"], ["p/0"], ["p/1"], ["p/2"], ["p/3"]]
+    assert done == {"x": 1.0, "a": 2.0, "p": 6.0}
+
+
+async def _decoding_while_a_prompt_is_computed(away: dict[str, float]) -> list[list[str]]:
+    """Sessions that decode in a loop, each away for its time between a result and its next step,
+    while a 40-piece prompt arrives; returns the calls computed."""
+    rec = _SlicedRecorder(slices=40, piece_s=0.2)
+    batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill, slice_s=3.0, hold_factor=0.0,
+                          clock=trio.current_time)
+
+    async def decode(name: str) -> None:
+        for position in range(1, 12):
+            await batcher.submit(_bundle(name, Phase.DECODE, position))
+            await trio.sleep(away[name])
+
+    async def prompt() -> None:
+        await trio.sleep(5.0)
+        await batcher.submit(_bundle("p", Phase.PREFILL, 0, 64))
+
+    async with trio.open_nursery() as nursery:
+        for name in away:
+            nursery.start_soon(decode, name)
+        nursery.start_soon(prompt)
+    return rec.calls
+
+
+def _between_slices(calls: list[list[str]]) -> tuple[list[list[str]], list[int]]:
+    """The decode batches run between the prompt's slices, and the pieces of each slice but the last."""
+    pieces = [i for i, call in enumerate(calls) if call[0].startswith("p/")]
+    batches: list[list[str]] = []
+    slices = [0]
+    for call in calls[pieces[0]:pieces[-1]]:
+        if call[0].startswith("p/"):
+            slices[-1] += 1
+        else:
+            batches.append(sorted(call))
+            slices.append(0)
+    return batches, slices[:-1]
+
+
+async def test_a_slice_goes_on_until_every_session_due_back_within_it_has_come(autojump_clock):
+    """Sessions handed a result here come back within a slice (a hop holding the whole route): the
+    slice waits for all of them, so they decode together between slices rather than one by one, and
+    it computes as long as their batch takes (1 s, five pieces) before it pauses for them."""
+    between, slices = _between_slices(await _decoding_while_a_prompt_is_computed({"a": 0.1, "b": 0.5}))
+    assert between and all(batch == ["a", "b"] for batch in between)
+    assert slices and all(5 <= pieces <= 6 for pieces in slices)  # a piece past 1 s at most
+
+
+async def test_a_slice_does_not_wait_for_a_session_due_back_after_it(autojump_clock):
+    """A session due back after the slice would end (its other hops take longer) is not waited for:
+    the slice pauses for the one due within it."""
+    between, _ = _between_slices(await _decoding_while_a_prompt_is_computed({"a": 0.1, "b": 6.0}))
+    assert ["a"] in between

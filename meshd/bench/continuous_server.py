@@ -6,8 +6,9 @@ while it computes wait for all of it, which is what one process gets from transf
 ``generate()``. This server schedules every step instead: each cycle runs one decode step of every
 running request as one batch, then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a
 layer at least), then decodes again. A peer's batcher (:mod:`meshd.runtime.batching`) slices prompts
-in the same ``PrefillRun`` pieces but ends a slice as soon as a decode step waits; here a slice always
-runs its ``SLICE_S``, since every running request is waiting for the next cycle. A request joins
+in the same ``PrefillRun`` pieces but may end a slice sooner, once the decode steps it expects are
+queued and the slice has computed about as long as their batch will; here a slice always runs its
+``SLICE_S``, since every running request is waiting for the next cycle. A request joins
 the batch as soon as its prompt is computed and leaves it with its last token, and a prompt stalls
 the running requests by one slice at most.
 

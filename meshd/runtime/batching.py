@@ -6,16 +6,22 @@ shard computes, new steps queue up; when it is free again, whoever holds the tur
 - every queued decode step (one per session, oldest first, at most ``max_batch``; a step with
   drafted tokens brings a row for each) as one batched forward, whose results are handed out as
   soon as it ends;
-- then the oldest queued prefill chunk, alone, computed in *slices* (a layer at least, see
-  :class:`meshd.runtime.shard.PrefillRun`): after each slice, the decode steps queued meanwhile run
-  as one batch before the chunk goes on.
+- then, when the holder's own step is a prompt's, the oldest queued prefill chunk, alone, computed in
+  *slices* (a layer at least, see :class:`meshd.runtime.shard.PrefillRun`): after each slice, the
+  decode steps queued meanwhile run as one batch before the chunk goes on. A decode step's holder
+  leaves the chunk to its own submitter, which waits next in the turn's queue, so that no decode
+  result is held up for a whole chunk because its session happened to hold the turn.
 
 So a session joins the batch by having a step queued and leaves it by not having one; a decode step
-waits for at most one slice of a prefill chunk, and a prefill chunk for at most one decode batch per
-slice, so neither starves the other. A slice ends as soon as a decode step is queued here, and after
-``slice_s`` in any case, which hands the machine's CPU turn (:mod:`meshd.runtime.cpu_turn`) to
-other peers' decode steps as well. Turns are taken in arrival order (a fair lock); a step already
-taken by an earlier turn only waits for its result.
+waits for at most one slice of a prefill chunk, and a prefill chunk for the decode batches of the
+turns taken before it and for at most one decode batch per slice, so neither starves the other.
+
+A slice ends once the decode steps it can expect are queued here (those queued, and those of sessions
+handed a result here that are due back within the slice) and it has computed about as long as their
+batch will (so that the two share the hop while both wait), and after ``slice_s`` in any case,
+which hands the machine's CPU turn (:mod:`meshd.runtime.cpu_turn`) to other peers' decode steps as
+well. Turns are taken in arrival order (a fair lock); a step already taken by an earlier turn only
+waits for its result.
 
 Before a decode batch starts, the turn may *hold* it for sessions that are about to arrive. Each
 decoding session comes back once per route traversal, so the batcher knows when to expect it (its
@@ -103,17 +109,30 @@ class BatchStats:
 
 @dataclass
 class _Rhythm:
-    """When a session's decode steps reach this batcher: the last one, and the smoothed interval."""
+    """When a session's decode steps reach this batcher: the last one and the smoothed interval, and
+    how long the session stays away between a result handed out here and its next step (``away``)."""
 
     last: float = 0.0
     period: float | None = None
+    away: float | None = None
+    out_since: float | None = None  # its last result was handed out then, and its next step is not here yet
     _seen: bool = False
 
     def arrived(self, now: float) -> None:
         if self._seen:
             interval = now - self.last
             self.period = interval if self.period is None else 0.5 * self.period + 0.5 * interval
+        if self.out_since is not None:
+            gone = now - self.out_since
+            self.away = gone if self.away is None else 0.5 * self.away + 0.5 * gone
+            self.out_since = None
         self.last, self._seen = now, True
+
+    def due(self) -> float | None:
+        """When its next step should arrive; None while one is here or nothing is known yet."""
+        if self.out_since is None or self.away is None:
+            return None
+        return self.out_since + self.away
 
 
 @dataclass
@@ -155,7 +174,7 @@ class StepBatcher:
     def __init__(self, run_batch: RunBatch, run_one: RunOne, *, max_batch: int = 16,
                  hold_factor: float = 1.0, latency_bound_s: float | None = None,
                  shared_machine: Callable[[], bool] | None = None, run_prefill: RunPrefill | None = None,
-                 slice_s: float = SLICE_S) -> None:
+                 slice_s: float = SLICE_S, clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if hold_factor < 0:
@@ -168,6 +187,7 @@ class StepBatcher:
         self._run_one = run_one
         self._run_prefill = run_prefill  # None: prefill chunks run whole, through run_one
         self.slice_s = slice_s
+        self._clock = clock  # how a slice's compute is timed: read on the compute thread
         self._decodes_queued = 0  # batchable steps queued: read by the compute thread to end a slice
         self.max_batch = max_batch
         self.hold_factor = hold_factor
@@ -209,7 +229,9 @@ class StepBatcher:
                         step.waiting_turn = None
                         if not step.taken:
                             await self._hold()
-                            await self._cycle()
+                            # a decode step's holder leaves the prefill chunk to its own
+                            # submitter, next in the turn's queue: its result is not held up by it
+                            await self._cycle(prefill_too=not step.batchable)
                 step.waiting_turn = None
         except BaseException:
             if not step.taken:
@@ -272,8 +294,8 @@ class StepBatcher:
         self.stats.held_batches += 1
         self.stats.held_s += trio.current_time() - started
 
-    async def _cycle(self) -> None:
-        decodes, prefill = self._take()
+    async def _cycle(self, prefill_too: bool) -> None:
+        decodes, prefill = self._take(prefill_too)
         if decodes:
             await self._run_decodes(decodes)
         if prefill is not None:
@@ -286,8 +308,32 @@ class StepBatcher:
         self.stats.largest_batch = max(self.stats.largest_batch, len(decodes))
         self.stats.batch_sizes[len(decodes)] = self.stats.batch_sizes.get(len(decodes), 0) + 1
         await self._run(decodes)
+        now = trio.current_time()
+        for step in decodes:
+            rhythm = self._rhythm.get(step.key)
+            if rhythm is not None and step.error is None:
+                rhythm.out_since = now
 
-    def _take(self, prefill_too: bool = True) -> tuple[list[_Step], _Step | None]:
+    def _slice_plan(self) -> tuple[int, float]:
+        """When a prefill slice starting now may pause before ``slice_s``: once this many decode steps
+        are queued, and not before it has computed this long.
+
+        The steps are those queued and those of sessions handed a result here that are due back
+        within the slice (a hop holding a whole route gets them back within milliseconds; pausing at
+        the first would split them into batches of one). A session overdue by a slice is not counted.
+        The time is what the decode batch for them is expected to cost, so that while both wait, the
+        prompt and the decoding sessions share the hop about evenly: a hop of many layers no longer
+        computes a short prompt's layers one at a time, each behind a whole decode batch."""
+        now = trio.current_time()
+        coming = 0
+        for rhythm in self._rhythm.values():
+            due = rhythm.due()
+            if due is not None and due <= now + self.slice_s and now - due < self.slice_s:
+                coming += 1
+        wanted = max(1, min(self._decodes_queued + coming, self.max_batch))
+        return wanted, min(self.slice_s, self.costs.decode_s(wanted) or 0.0)
+
+    def _take(self, prefill_too: bool) -> tuple[list[_Step], _Step | None]:
         decodes: list[_Step] = []
         prefill: _Step | None = None
         sessions: set[tuple[str, int]] = set()
@@ -319,20 +365,23 @@ class StepBatcher:
         """One prefill chunk through ``run_prefill``: each slice ends once a decode step is queued or
         ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next."""
         assert self._run_prefill is not None
-        began = time.monotonic()  # for pause(), on the compute thread, which has no Trio clock
-        at = trio.current_time()
+        clock = self._clock  # for pause(), on the compute thread, which has no Trio clock
+        began, at = clock(), trio.current_time()
+        wanted, least_s = self._slice_plan()
 
         def pause() -> bool:
-            return self._decodes_queued > 0 or time.monotonic() - began >= self.slice_s
+            spent = clock() - began
+            return spent >= self.slice_s or (spent >= least_s and self._decodes_queued >= wanted)
 
         async def between() -> None:
-            nonlocal began, at
+            nonlocal began, at, wanted, least_s
             self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
             decodes, _ = self._take(prefill_too=False)
             if decodes:
                 self.stats.decodes_between_slices += 1
                 await self._run_decodes(decodes)
-            began, at = time.monotonic(), trio.current_time()
+            began, at = clock(), trio.current_time()
+            wanted, least_s = self._slice_plan()
 
         outcome = await self._run_prefill(bundle, pause, between)
         self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
