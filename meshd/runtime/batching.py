@@ -362,7 +362,7 @@ class StepBatcher:
         return decodes, prefill
 
     async def _prefill_in_slices(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
-        """One prefill chunk through ``run_prefill``: each slice ends once a decode step is queued or
+        """One prefill chunk through ``run_prefill``: each slice ends as :meth:`_slice_plan` says or once
         ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next."""
         assert self._run_prefill is not None
         clock = self._clock  # for pause(), on the compute thread, which has no Trio clock
