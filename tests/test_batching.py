@@ -15,6 +15,7 @@ from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch
 from meshd.runtime.batching import StepBatcher
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
+from meshd.runtime.kv import room_for
 from meshd.runtime.numerics import TILE_ROWS, Numerics
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
@@ -175,24 +176,34 @@ def test_a_failing_batched_compute_falls_back_to_single_steps(tiny_model, monkey
 
 
 def test_kv_accounting_and_eviction_with_batches(tiny_model):
-    probe = Shard(tiny_model, 0, N_LAYERS)
-    _running(probe, 3)
-    per_token = probe.kv.used_bytes // sum(len(PROMPTS[i]) for i in range(3))
-    # room for the three prompts plus one token each, not for a second token each
-    budget = per_token * (sum(len(PROMPTS[i]) for i in range(3)) + 4)
+    """A session's KV is accounted with its spare room, and a batch commits in order, as steps run one
+    by one would."""
+    per_token = Shard(tiny_model, 0, N_LAYERS).kv_bytes_per_token()
+    lengths = [len(PROMPTS[i]) for i in range(3)]
+    rooms = [room_for(n + 1) for n in lengths]  # what each holds from its first decode step
+    assert len({room - n for room, n in zip(rooms, lengths, strict=True)}) == 1, "all fill up at one step"
+    growth = room_for(rooms[0] + 1) - rooms[0]
+    budget = per_token * (sum(rooms) + growth)  # room for s0 to grow its cache, not for s1 as well
     shard = Shard(tiny_model, 0, N_LAYERS, kv_budget_bytes=budget)
     tokens = _running(shard, 3)
-    out = shard.forward_batch([_decode(f"s{i}", tokens[i], len(PROMPTS[i]), 1, (0, N_LAYERS)) for i in range(3)])
-    assert all(isinstance(r, StepResult) for r in out)
-    assert shard.kv.used_bytes == sum(shard.kv.get((f"s{i}", 0)).nbytes for i in range(3)) <= budget
-    out = shard.forward_batch([_decode(f"s{i}", out[i].token, len(PROMPTS[i]) + 1, 2, (0, N_LAYERS))
+    assert shard.kv.used_bytes == per_token * sum(lengths), "a prompt's chunk is held without spare room"
+    for step in range(1, rooms[0] - lengths[0] + 1):
+        out = shard.forward_batch([_decode(f"s{i}", tokens[i], lengths[i] + step - 1, step, (0, N_LAYERS))
+                                   for i in range(3)])
+        assert all(isinstance(r, StepResult) for r in out)
+        tokens = [r.token for r in out]
+        assert shard.kv.used_bytes == sum(shard.kv.get((f"s{i}", 0)).nbytes for i in range(3))
+        assert shard.kv.used_bytes == per_token * sum(rooms) <= budget
+    step += 1
+    out = shard.forward_batch([_decode(f"s{i}", tokens[i], lengths[i] + step - 1, step, (0, N_LAYERS))
                                for i in range(3)])
-    # the batch commits in order, as steps run one by one would: s0's token fits; s1's overflows the
-    # budget and evicts the least recently used session, s2, whose step then finds its KV gone
+    # every cache is full: s0's grows within the budget; s1's overflows it and evicts the least
+    # recently used session, s2, whose step then finds its KV gone
     assert isinstance(out[0], StepResult) and isinstance(out[1], StepResult)
     assert isinstance(out[2], CacheMiss) and "least recently used" in str(out[2])
     assert ("s2", 0) not in shard.kv and shard.kv.used_bytes <= budget
     assert shard.kv.used_bytes == sum(shard.kv.get((f"s{i}", 0)).nbytes for i in range(2))
+    assert shard.kv.used_bytes == per_token * (room_for(rooms[0] + 1) + room_for(rooms[1] + 1))
 
 
 async def test_concurrent_sessions_through_hosts_batch_and_match_solo(tiny_model):

@@ -7,6 +7,7 @@ import torch
 
 from meshd.errors import CacheMiss, KVBudgetExceeded
 from meshd.runtime.chain import LocalChain, input_bundles
+from meshd.runtime.kv import room_for
 from meshd.runtime.shard import Shard
 from meshd.wire.bundle import Sampling
 from tests.helpers import PROMPT
@@ -96,17 +97,18 @@ def test_ttl_eviction_gives_a_cache_miss_not_wrong_output(tiny_model):
 def test_byte_budget_evicts_least_recently_used(tiny_model):
     probe = Shard(tiny_model, 0, 4)
     per_token = 2 * 4 * 2 * 16 * 4  # k+v, 4 layers, 2 kv heads, head dim 16, fp32
-    budget = per_token * 40
+    held = room_for(8)  # positions a session holds from its second chunk of 4 until that room is full
+    budget = per_token * (2 * held + 2)
     shard = Shard(tiny_model, 0, 4, kv_budget_bytes=budget)
     chain = LocalChain([shard])
     a, b = Stepper(chain, "a", PROMPT[:20]), Stepper(chain, "b", PROMPT[:15])
     a.step()
-    b.step()  # 20 + 15 tokens held: under budget
-    assert shard.kv.used_bytes == 35 * per_token <= budget
+    b.step()  # 20 + 15 tokens in two caches with room to spare: under budget
+    assert shard.kv.used_bytes == 2 * held * per_token <= budget
     b.step()
     b.step()
     c = Stepper(chain, "c", PROMPT[:10])
-    c.step()  # over budget: a (least recently used) goes
+    c.step()  # its first chunk is over budget: a (least recently used) goes
     assert shard.kv.used_bytes <= budget
     with pytest.raises(CacheMiss, match="least recently used"):
         a.step()

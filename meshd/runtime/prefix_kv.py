@@ -2,9 +2,10 @@
 
 Chat clients resend the whole conversation every turn and agents resend one long system prompt; a
 hop that kept the KV of such a prefix computes only what follows it. A snapshot is what a session's
-cache held right after the prefill chunk that ended at the prefix: the same tensors, never written
-again (a session appends by concatenating, and truncates by copying), so keeping one costs nothing
-until the session moves on, and a session started from it shares it.
+cache held right after the prefill chunk that ended at the prefix: the same tensors where they hold
+exactly the prefix, never written again (a session writes only into buffers of its own, and stops
+writing into those it hands to a snapshot), so keeping one costs little, and a session started from
+it shares it.
 
 Reuse never changes a reply. The entry cuts every prompt into prefill chunks at the same places
 (message boundaries and multiples of the chunk size), and a prefix ends at one of them: a session
