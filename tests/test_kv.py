@@ -102,3 +102,20 @@ def test_spare_room_never_reaches_past_the_kv_budget():
     with pytest.raises(KVBudgetExceeded):
         kv.commit(key)
     assert key not in kv
+
+
+def test_a_snapshot_that_copied_the_cache_leaves_the_session_its_room():
+    kv = KVManager()
+    key = ("s", 0)
+    session = kv.open(key, Sampling())
+    session.update(*_states(0, 8), 0)
+    session.update(*_states(8, 2), 0)  # a buffer of room_for(10) positions, two of them spare at least
+    session.length = 10
+    held = session.nbytes
+    assert kv.keep_prefix(b"p", key)
+    snapshot = kv.prefixes.peek(b"p")
+    assert snapshot is not None and snapshot.nbytes == 2 * 10 * HEADS * DIM * 4, "the snapshot keeps a copy"
+    buffer = session.keys[0].untyped_storage().data_ptr()
+    keys, _ = session.update(*_states(10, 1), 0)
+    assert keys.untyped_storage().data_ptr() == buffer and session.nbytes == held
+    assert torch.equal(snapshot.keys[0], _states(0, 10)[0])

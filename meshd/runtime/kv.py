@@ -81,11 +81,13 @@ class SessionKV:
         self.keys[layer_idx], self.values[layer_idx] = room[0][..., :end, :], room[1][..., :end, :]
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def share(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The caches as they are now, for a snapshot that may share their tensors: the session stops
-        writing into its buffers, so what the snapshot holds never changes."""
-        self.room.clear()
-        return dict(self.keys), dict(self.values)
+    def shared_with(self, snapshot: PrefixSnapshot) -> None:
+        """``snapshot`` was taken of these caches: the session stops writing into the buffers it shares
+        (a buffer that was exactly full), so what the snapshot holds never changes."""
+        kept = {t.untyped_storage().data_ptr() for t in (*snapshot.keys.values(), *snapshot.values.values())}
+        for layer, pair in list(self.room.items()):
+            if any(t.untyped_storage().data_ptr() in kept for t in pair):
+                del self.room[layer]
 
     def truncate(self, length: int) -> None:
         """Drop everything past ``length`` tokens (undoes a step that failed half-way)."""
@@ -215,7 +217,9 @@ class KVManager:
             session = self._sessions.get(key)
             if session is None or not session.length or self.prefixes.max_bytes == 0:
                 return False
-            return self.keep_snapshot(name, PrefixSnapshot.of(session.length, *session.share()))
+            snapshot = PrefixSnapshot.of(session.length, session.keys, session.values)
+            session.shared_with(snapshot)
+            return self.keep_snapshot(name, snapshot)
 
     def keep_snapshot(self, name: bytes, snapshot: PrefixSnapshot) -> bool:
         """Keep ``snapshot`` (computed here, or imported) as the prefix ``name``, within the budgets."""
