@@ -83,3 +83,15 @@ def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_p
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshd: bad configuration: ") and message in lines[0], lines
     assert not (tmp_path / "state").exists()
+
+
+def test_a_bad_settings_file_is_refused_before_the_model_code_loads(tmp_path: Path) -> None:
+    """The refusal comes in a fraction of a second: torch and the model code load only for good settings."""
+    (tmp_path / "bad.toml").write_text("chunk_tokens = 0\n")
+    script = ("import sys\nfrom meshd.cli.meshd_main import main\n"
+              "try:\n    main(['run', '--config', 'bad.toml'])\n"
+              "except SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         check=False)
+    assert run.stdout.split() == ["2", "False"], (run.stdout, run.stderr)
+    assert "chunk_tokens must be at least 1" in run.stderr

@@ -17,6 +17,7 @@ from meshd.runtime.numerics import TILE_ROWS, Numerics
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Sampling
+from meshd.wire.limits import MAX_DRAFT_TOKENS
 from tests.archs import ARCHS
 from tests.helpers import ONEDNN, needs_onednn
 
@@ -173,7 +174,7 @@ def test_a_step_may_not_start_before_the_accepted_tokens(tiny_model):
 def test_the_wire_refuses_inconsistent_drafts():
     good = next(input_bundles("s", 0, [3], 5, 64, (0, 4), Sampling(), 1, [4, 5]))
     assert wire.decode(wire.encode(good)).draft == (4, 5)
-    for bad in (dict(token_count=2), dict(draft=tuple(range(wire.MAX_DRAFT_TOKENS + 1))), dict(sample=False)):
+    for bad in (dict(token_count=2), dict(draft=tuple(range(MAX_DRAFT_TOKENS + 1))), dict(sample=False)):
         bundle = next(input_bundles("s", 0, [3], 5, 64, (0, 4), Sampling(), 1, [4, 5]))
         for name, value in bad.items():
             setattr(bundle, name, value)

@@ -17,9 +17,9 @@ from typing import Any
 from meshd.api.backend import GenerationRequest, RequestKind
 from meshd.api.errors import BadRequest
 from meshd.errors import ErrorCode
+from meshd.wire.limits import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
 MAX_LEGACY_LOGPROBS = 5
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

@@ -225,7 +225,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
     from meshd.daemon.config import load_config
-    from meshd.daemon.peer import Peer
 
     overrides = {
         "data_dir": args.data_dir, "name": args.name, "listen": args.listen, "advertise": args.advertise,
@@ -250,6 +249,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"meshd: bad configuration: {exc}", file=sys.stderr)
         return 2
+    from meshd.daemon.peer import Peer  # torch and the model code: after the settings are known good
     recent = RecentRecords()
     context = configure_logging(config.log_level, config.log_format, recent=recent,
                                 quiet=("hpack", "h2", "httpx", "httpx2", "filelock"))

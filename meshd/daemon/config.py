@@ -16,6 +16,7 @@ from meshd.links.profiles import parse_link_shape
 from meshd.logs import FORMATS, LEVELS
 from meshd.session import SPECULATIVE_MODES
 from meshd.settings import layered_settings, parse_size, setting, setting_list
+from meshd.wire.limits import MAX_DRAFT_TOKENS
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8")  # --dtype; int8: meshd.runtime.int8
 
@@ -152,8 +153,6 @@ class PeerConfig:
     ready_file: Path | None = setting(None, "write this peer's status as JSON here once it listens (for scripts)")
 
     def __post_init__(self) -> None:
-        from meshd.wire.bundle import MAX_DRAFT_TOKENS
-
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative is one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
         if not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:

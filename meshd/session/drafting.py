@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshd.wire.bundle import MAX_DRAFT_TOKENS
+from meshd.wire.limits import MAX_DRAFT_TOKENS
 
 NGRAM_MAX = 4  # longest context suffix looked up
 LOOKUP_THEN_MODEL_MIN_N = 3  # with a draft model, lookup guesses only from a match of this many tokens

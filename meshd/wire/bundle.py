@@ -22,6 +22,7 @@ from meshd.errors import BundleError
 from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES
 from meshd.wire import byte_planes
 from meshd.wire import hidden_state_pb2 as pb
+from meshd.wire.limits import MAX_DRAFT_TOKENS, MAX_PREFIX_NAME_BYTES, MAX_TOP_LOGPROBS
 
 SCHEMA_VERSION = 1
 MAX_TENSORS = 16
@@ -45,9 +46,6 @@ _DTYPES: dict[int, tuple[torch.dtype, int]] = {
 _WIRE_DTYPE = {torch_dtype: code for code, (torch_dtype, _) in _DTYPES.items()}
 
 
-MAX_TOP_LOGPROBS = 20
-MAX_DRAFT_TOKENS = 15  # drafted tokens one decode step may verify (16 positions with its first)
-MAX_PREFIX_NAME_BYTES = 64  # a kept prefix's name: the entry's keyed hash of it
 
 
 @dataclass(frozen=True)
