@@ -52,3 +52,33 @@ def test_a_holder_that_dies_hands_the_turn_on(tmp_path):
     with path.open("rb") as f:  # free again: a non-blocking take succeeds
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def test_a_peer_times_its_numerics_holding_the_turn(tmp_path, tiny_model, monkeypatch):
+    """Peers starting together on one machine time their ways one after another, so they choose alike."""
+    from meshd.runtime import model_info
+    from meshd.runtime.numerics import Choice
+
+    path = tmp_path / "turn.lock"
+    held_while_timing: list[bool] = []
+
+    def timing(base, *args, **kwargs):
+        with path.open("rb") as f:  # another open file: its take fails while the turn is held
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held_while_timing.append(True)
+            else:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                held_while_timing.append(False)
+        return Choice(base, {})
+
+    monkeypatch.setattr(model_info, "calibrate", timing)
+    turn = CpuTurn(path)
+    model_info.choose_numerics(tiny_model, turn=turn)
+    path.touch()
+    model_info.choose_numerics(tiny_model)
+    assert held_while_timing == [True, False]
+    with path.open("rb") as f:  # and handed back after
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    turn.close()

@@ -287,3 +287,27 @@ def test_onednn_decode_is_chosen_where_its_batches_are_faster_and_a_lone_session
     from_one = "cpu/float32/prefill-onednn/decode-native-rows1-15"
     kept = _ways({from_one: (1.0, 8.0), dnn1: (1.0, 7.9), band: (1.1, 7.8)}, torch_band=(1, 15))
     assert kept.numerics.name == from_one and f"decode {rows1}" not in kept.measured_ms
+
+
+def test_a_burst_of_load_while_timing_does_not_change_the_choice():
+    """Peers starting together time their ways under each other's load: a burst that slows every
+    measurement for a while, wherever it falls, leaves the choice a quiet machine makes."""
+    from meshd.runtime.numerics import choose
+
+    timings = {"decode-native-rows1": (1.0, 8.0), f"decode-native-rows{TILE_ROWS}": (3.0, 3.0),
+               "decode-onednn-rows1": (0.9, 6.0), "decode-onednn-rows2-32": (1.1, 1.2)}  # by decode way
+
+    def choice_under(burst: range) -> str:
+        calls = iter(range(10_000))
+
+        def load() -> float:
+            return 4.0 if next(calls) in burst else 1.0
+
+        return choose(Numerics(torch.float32), lambda n: (1.0 if n.prefill_onednn else 2.0) * load(),
+                      lambda n: timings[n.name.rsplit('/', 1)[1]][0] * load(),
+                      lambda n: timings[n.name.rsplit('/', 1)[1]][1] * load(),
+                      lambda n: (2, 32) if n.decode_onednn else (1, 1), onednn=True).numerics.name
+
+    quiet = choice_under(range(0))
+    assert quiet == "cpu/float32/prefill-onednn/decode-onednn-rows2-32"
+    assert {start: choice_under(range(start, start + 6)) for start in range(30)} == dict.fromkeys(range(30), quiet)

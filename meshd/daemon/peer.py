@@ -198,8 +198,13 @@ class Peer:
         assert config.model is not None
         model_dir, model_id = model_directory(config.model, config.data_dir / "cache")
         compute = ComputeThread()  # every torch op of the peer runs on it, measuring the numerics too
-        choice = compute.call(choose_numerics, model_dir, config.dtype, config.device,
-                              min(128, config.chunk_tokens), config.backend, config.numerics)
+        turn = CpuTurn() if config.cpu_turn else None
+        try:
+            choice = compute.call(choose_numerics, model_dir, config.dtype, config.device,
+                                  min(128, config.chunk_tokens), config.backend, config.numerics, turn)
+        finally:
+            if turn is not None:
+                turn.close()
         log.info("numerics: %s (measured ms: %s)", choice.numerics.name, choice.measured_ms or "none")
         info = describe_model(model_dir, config.model_id or model_id, numerics=choice.numerics,
                               cache_dir=config.data_dir / "cache" / "manifests", say=log.info)

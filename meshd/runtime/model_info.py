@@ -9,6 +9,7 @@ same boundary format; two checkpoints that differ in one tensor never share a ro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ import torch
 from meshd.errors import ModelFormatError
 from meshd.runtime.adapters import adapter_for
 from meshd.runtime.backends import resolve_backend
+from meshd.runtime.cpu_turn import CpuTurn
 from meshd.runtime.devices import resolve_device
 from meshd.runtime.int8 import INVARIANT_ROWS, int8_weight_bytes, is_int8_weight
 from meshd.runtime.int8 import available as int8_available
@@ -125,12 +127,14 @@ def gguf_weights_name(model_dir: Path) -> str:
 
 
 def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", prefill_rows: int = 128,
-                    backend: str = "auto", pinned: str = "") -> Choice:
+                    backend: str = "auto", pinned: str = "", turn: CpuTurn | None = None) -> Choice:
     """The numerics a shard of this model uses here: the requested dtype (``auto``: the checkpoint's
     own) on the requested device, computed the way measured fastest on it (``meshd.runtime.numerics``),
     or the class ``pinned`` names (measurements differ a little from peer to peer, and peers in
     different classes never share a route); on the llama.cpp backend, ggml's own numerics for the
-    file's quantization."""
+    file's quantization. On a CPU the ways are timed holding ``turn``, the machine's CPU turn: peers
+    starting together then time them one after another, on cores no other peer computes on, and
+    choose alike."""
     from meshd.runtime.shard import resolve_dtype
 
     model_dir = Path(model_dir)
@@ -170,7 +174,8 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
         return Choice(base, {})
     # a decode step's GEMMs are also the experts' and the LM head's: the band must hold for them too
     head = (int(config.vocab_size), int(config.hidden_size))
-    return calibrate(base, shapes, prefill_rows, band_shapes=[*sorted(set(experts)), head])
+    with turn.held() if turn is not None and base.device_kind == "cpu" else contextlib.nullcontext():
+        return calibrate(base, shapes, prefill_rows, band_shapes=[*sorted(set(experts)), head])
 
 
 def _check_int8(device: str) -> None:

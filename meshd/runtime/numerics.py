@@ -50,6 +50,7 @@ compute the same way, so a split run equals one process bit for bit.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -72,6 +73,7 @@ BAND_PROBE_ROWS = 32  # row counts tried when measuring the band of row-invarian
 # under each other's load, and a tight limit would split them into classes that cannot share a route.
 BAND_LIMIT = 1.5
 MARGIN = 1.25        # an alternative must be this much faster to be chosen (stable choices across peers)
+TIMING_ROUNDS = 5    # turns each compared way is timed in, interleaved with the others; the best counts
 MIN_MEASURED_PARAMETERS = 1_000_000  # smaller layers: the choice cannot matter, and timing them is noise
 
 
@@ -344,33 +346,40 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer, time
     own one-row step may serve, and of those the first that ``time_batch`` (a step of ``TILE_ROWS``
     sessions) finds ``MARGIN`` faster than the ways before it wins, since batches are where ways differ
     most: a lone session may give up a little so that concurrent ones share their GEMMs. Both limits
-    are wide on purpose: peers starting together on one machine measure under each other's load, and
-    must still choose alike to share routes.
+    are wide, and the ways compared are timed in turns, on purpose: peers starting together on one
+    machine measure under each other's load, and must still choose alike to share routes.
     """
     measured: dict[str, float] = {}
 
-    def timed(numerics: Numerics, timer: StepTimer, label: str) -> float:
-        seconds = min(timer(numerics) for _ in range(3))
-        measured[f"{label} {numerics.name}"] = round(seconds * 1000, 3)
-        return seconds
+    def timed(timer: StepTimer, label: str, *candidates: Numerics) -> list[float]:
+        """Each candidate's best of ``TIMING_ROUNDS``, the candidates taking turns round by round, so
+        that a burst of another process's load slows every one of them alike rather than one alone."""
+        best = [math.inf] * len(candidates)
+        for _ in range(TIMING_ROUNDS):
+            for i, numerics in enumerate(candidates):
+                best[i] = min(best[i], timer(numerics))
+        for numerics, seconds in zip(candidates, best, strict=True):
+            measured[f"{label} {numerics.name}"] = round(seconds * 1000, 3)
+        return best
 
     chosen = base
     if base.dtype != torch.float32:
-        native = timed(chosen, time_prefill, "prefill")
         upcast = replace(chosen, prefill_fp32=True)
-        if timed(upcast, time_prefill, "prefill") * MARGIN < native:
+        native, faster = timed(time_prefill, "prefill", chosen, upcast)
+        if faster * MARGIN < native:
             chosen = upcast
-        alone = timed(chosen, time_decode, "decode")
         upcast = replace(chosen, decode_fp32=True)
-        if timed(upcast, time_decode, "decode") * MARGIN < alone:
+        alone, faster = timed(time_decode, "decode", chosen, upcast)
+        if faster * MARGIN < alone:
             chosen = upcast
     if chosen.device != "cpu":
         return Choice(chosen, measured)
     onednn = onednn and chosen.dtype == torch.float32
     if onednn:
-        default = timed(chosen, time_prefill, "prefill")
-        if timed(replace(chosen, prefill_onednn=True), time_prefill, "prefill") * MARGIN < default:
-            chosen = replace(chosen, prefill_onednn=True)
+        dnn = replace(chosen, prefill_onednn=True)
+        default, faster = timed(time_prefill, "prefill", chosen, dnn)
+        if faster * MARGIN < default:
+            chosen = dnn
     ways: list[Numerics] = []
     for kernel in [chosen, *([replace(chosen, decode_onednn=True)] if onednn else [])]:
         low, high = probe_band(kernel) if probe_band is not None else (1, 1)
@@ -378,11 +387,11 @@ def choose(base: Numerics, time_prefill: StepTimer, time_decode: StepTimer, time
             ways.append(kernel)  # one row per GEMM; a band from one row computes a lone row so anyway
         ways.append(replace(kernel, decode_rows=low, decode_max_rows=high) if high > low
                     else replace(kernel, decode_rows=TILE_ROWS))
-    lone = [timed(way, time_decode, "decode") for way in ways]
+    lone = timed(time_decode, "decode", *ways)
     serving = [way for way, seconds in zip(ways, lone, strict=True) if seconds <= lone[0] * BAND_LIMIT]
-    best, best_batch = serving[0], timed(serving[0], time_batch, f"decode x{TILE_ROWS}")
-    for way in serving[1:]:
-        batch = timed(way, time_batch, f"decode x{TILE_ROWS}")
+    batches = timed(time_batch, f"decode x{TILE_ROWS}", *serving)
+    best, best_batch = serving[0], batches[0]
+    for way, batch in zip(serving[1:], batches[1:], strict=True):
         if batch * MARGIN < best_batch:
             best, best_batch = way, batch
     return Choice(best, measured)
