@@ -307,6 +307,23 @@ async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(aut
     assert batcher.stats.prefill_chunks == 2 and batcher.waiting == 0
 
 
+async def test_the_batcher_counts_its_compute_time_decode_apart_from_prefill(autojump_clock):
+    rec = _Recorder(delay=0.5)
+    batcher = StepBatcher(rec.batch, rec.one)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.submit, _bundle("a", Phase.DECODE, 5))
+        await trio.sleep(0.05)  # the first call, a alone, has begun
+        for name in ("b", "c"):
+            nursery.start_soon(batcher.submit, _bundle(name, Phase.DECODE, 9))
+        await trio.sleep(0.05)
+        nursery.start_soon(batcher.submit, _bundle("p", Phase.PREFILL, 0, 8))
+    assert [sorted(call) for call in rec.calls] == [["a"], ["b", "c"], ["p"]]
+    summary = batcher.stats.summary()
+    assert (summary["decode_compute_s"], summary["prefill_compute_s"]) == (1.0, 0.5)
+    batcher.stats.reset()
+    assert (batcher.stats.decode_compute_s, batcher.stats.prefill_compute_s) == (0.0, 0.0)
+
+
 async def test_a_cancelled_waiting_step_leaves_the_queue(autojump_clock):
     rec = _Recorder()
     batcher = StepBatcher(rec.batch, rec.one)
@@ -383,7 +400,7 @@ async def test_a_failed_batch_fails_its_steps_and_the_prefill_after_it_still_run
         nursery.start_soon(submit, "b", _bundle("b", Phase.DECODE, 6), 0.1)
         nursery.start_soon(submit, "c", _bundle("c", Phase.DECODE, 7), 0.2)
         nursery.start_soon(submit, "p", _bundle("p", Phase.PREFILL, 0, 8), 0.3)
-    assert rec.calls == [["a"], ["b", "c"], ["p"]]
+    assert [sorted(call) for call in rec.calls] == [["a"], ["b", "c"], ["p"]]
     assert outcomes == {"a": 5, "b": "compute thread gone", "c": "compute thread gone", "p": 0}
 
 

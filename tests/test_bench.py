@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from meshd.bench.runner import compute_share
 from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
 
@@ -21,6 +22,15 @@ TOP_LEVEL = (
     "bytes_per_token_per_seam", "aggregate_tok_s", "batching_gain", "peer_rss_mb", "model_size_mb",
     "baseline_rss_mb", "tokens_identical", "profile",
 )
+
+
+def test_the_compute_share_is_what_each_hop_computed_during_the_load_over_its_wall_time():
+    before = [{"decode_compute_s": 10.0, "prefill_compute_s": 1.0}, {"decode_compute_s": 0.0, "prefill_compute_s": 0.0}]
+    after = [{"decode_compute_s": 13.0, "prefill_compute_s": 2.0}, {"decode_compute_s": 2.5, "prefill_compute_s": 0.5}]
+    share = compute_share(before, after, 10.0)
+    assert share == {"hops": [0.4, 0.3], "decode": 0.55, "prefill": 0.15, "summed": 0.7}
+    # a hop whose counters were reset meanwhile (a restarted peer) adds nothing rather than a negative share
+    assert compute_share(after[:1], before[:1], 10.0)["summed"] == 0.0
 
 
 @pytest.mark.slow
@@ -51,6 +61,11 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert set(report["aggregate_tok_s"]) == {"1", "2"} and all(v > 0 for v in report["aggregate_tok_s"].values())
     assert report["batching_gain_concurrency"] == 2
     assert len(report["batches"]) == 2 and all(b["decode_steps"] > 0 for b in report["batches"])
+    assert set(report["compute_share"]) == {"1", "2"}
+    for share in report["compute_share"].values():
+        assert len(share["hops"]) == 2 and all(v > 0 for v in share["hops"]) and share["decode"] > 0
+        assert share["summed"] == pytest.approx(sum(share["hops"]), abs=1e-3)
+        assert share["summed"] == pytest.approx(share["decode"] + share["prefill"], abs=1e-3)
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):

@@ -168,6 +168,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
         "ceiling_ratio": {str(c): _r(aggregate[c] / v, 4) for c, v in sorted(ceiling.items())
                           if c in aggregate and v > 0},
         "batches": largest.batches,
+        "compute_share": {str(c): v for c, v in sorted(getattr(largest, "compute_share", {}).items())},
         "peer_rss_mb": {str(m.peers): [_r(v, 1) for v in m.rss_mb] for m in meshes},
         "model_size_mb": _r(baseline.model_bytes / 2**20, 1),
         "baseline_rss_mb": _r(baseline.rss_mb, 1),
@@ -252,6 +253,10 @@ def format_summary(report: dict) -> str:
             lines.append("one process, batched generate() at the same batch: " + ", ".join(
                 f"c={c}: {v:.2f} tok/s (mesh {report['ceiling_ratio'].get(c, 0):.2f}x)"
                 for c, v in report["ceiling_tok_s"].items()))
+    if report.get("compute_share"):
+        lines.append("hops computing, share of the wall time (summed over hops; decode + prefill): " + ", ".join(
+            f"c={c}: {v['summed']:.2f} ({v['decode']:.2f} + {v['prefill']:.2f})"
+            for c, v in report["compute_share"].items()))
     for i, batches in enumerate(report.get("batches") or []):
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "

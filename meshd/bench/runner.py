@@ -89,6 +89,7 @@ class MeshResult:
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
     ceiling_tok_s: dict[int, float] = field(default_factory=dict)  # one process, batched generate(), batch c
     batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
+    compute_share: dict[int, dict] = field(default_factory=dict)  # per concurrency: the hops' compute / wall
     route: dict = field(default_factory=dict)  # the route the entry plans after the runs, with its cost terms
 
 
@@ -610,10 +611,12 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
             for hop in hops:
                 hop.get("/stats?reset=1")
         for c in levels:
+            before = [hop.get("/stats")["batches"] for hop in hops]
             with ThreadPoolExecutor(max_workers=c) as pool:
                 t0 = time.perf_counter()
                 done = list(pool.map(lambda _i: request(cfg.new_tokens), range(c)))
                 wall = time.perf_counter() - t0
+            result.compute_share[c] = compute_share(before, [hop.get("/stats")["batches"] for hop in hops], wall)
             result.aggregate_tok_s[c] = sum(r.completion_tokens for r in done) / wall
             result.identical += [matches(r) for r in done]
             same = sum(matches(r) for r in done)
@@ -622,6 +625,21 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
         if levels:
             result.batches = [hop.get("/stats")["batches"] for hop in hops]
     return result
+
+
+def compute_share(before: list[dict], after: list[dict], wall_s: float) -> dict:
+    """How much of a load's wall time the hops spent computing, from their batchers' compute counters
+    read before and after it: per hop, and summed over the hops, split into decode and prefill. Hops
+    on one machine take turns at its CPUs, so there a summed share near 1 says the load was bound by
+    how fast the hops compute, and the rest of the wall time is what waiting and transfers added."""
+    def spent(kind: str) -> list[float]:
+        return [max(0.0, a[kind] - b[kind]) for b, a in zip(before, after, strict=True)]
+
+    decode, prefill = spent("decode_compute_s"), spent("prefill_compute_s")
+    wall_s = max(wall_s, 1e-9)
+    return {"hops": [round((d + p) / wall_s, 4) for d, p in zip(decode, prefill, strict=True)],
+            "decode": round(sum(decode) / wall_s, 4), "prefill": round(sum(prefill) / wall_s, 4),
+            "summed": round((sum(decode) + sum(prefill)) / wall_s, 4)}
 
 
 def say(message: str) -> None:

@@ -88,6 +88,8 @@ class BatchStats:
     decodes_between_slices: int = 0  # decode batches run between two slices of a prefill chunk
     costs: StepCosts = field(default_factory=StepCosts)  # this hop's step costs by size
     shared_machine: bool | None = None  # what the last hold decision took the machine to be
+    decode_compute_s: float = 0.0  # time the shard spent computing decode batches
+    prefill_compute_s: float = 0.0  # ... and prefill chunks (their own slices, not the batches between)
 
     def summary(self) -> dict:
         mean = self.decode_steps / self.decode_batches if self.decode_batches else None
@@ -97,13 +99,15 @@ class BatchStats:
                 "held_batches": self.held_batches, "held_s": round(self.held_s, 3),
                 "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3),
                 "decodes_between_slices": self.decodes_between_slices,
-                "step_costs": self.costs.summary(), "shared_machine": self.shared_machine}
+                "step_costs": self.costs.summary(), "shared_machine": self.shared_machine,
+                "decode_compute_s": round(self.decode_compute_s, 4),
+                "prefill_compute_s": round(self.prefill_compute_s, 4)}
 
     def reset(self) -> None:
         """Zero the counts; the cost table is knowledge, not a count, and stays."""
         self.decode_batches = self.decode_steps = self.prefill_chunks = self.largest_batch = self.held_batches = 0
         self.decodes_between_slices = 0
-        self.held_s = self.longest_slice_s = 0.0
+        self.held_s = self.longest_slice_s = self.decode_compute_s = self.prefill_compute_s = 0.0
         self.batch_sizes.clear()
 
 
@@ -410,8 +414,10 @@ class StepBatcher:
                 step.finish(exc)
             raise
         if steps[0].batchable:
+            self.stats.decode_compute_s += compute_s
             self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
         else:
+            self.stats.prefill_compute_s += compute_s
             self.costs.observe_prefill(steps[0].rows, compute_s)
             if self._run_prefill is None:  # a chunk computed whole stalls decode for all of it
                 self.stats.longest_slice_s = max(self.stats.longest_slice_s, compute_s)
