@@ -231,16 +231,24 @@ class ControlPlane:
             peer_id, address = send.to, self.view.address_of(send.to)
         if address is None:
             return
-        request = pb.PeerRequest(gossip=send.message)
+        message = send.message
+        if peer_id is not None:  # a seed's address names nobody whose answer could be taken from the reply
+            message = cpb.GossipMessage()
+            message.CopyFrom(send.message)
+            message.answer_in_reply = True
+        request = pb.PeerRequest(gossip=message)
         started = time.monotonic()
         self.metrics.gossip.labels("sent").inc()
         try:
-            await call(self.opener, peer_id, address, request, timeout=max(1.0, self.config.probe_timeout_s * 2))
+            reply = await call(self.opener, peer_id, address, request,
+                               timeout=max(1.0, self.config.probe_timeout_s * 2))
         except RpcFailed as exc:
             log.debug("gossip to %s failed: %s", address, exc)
             return
         if peer_id is not None:
             self.view.record_rtt(peer_id, (time.monotonic() - started) * 1000, time.time(), request.ByteSize())
+            if reply.WhichOneof("body") == "gossip":
+                self._received(peer_id, reply.gossip)
 
     async def _send_placement(self, order: Order) -> None:
         address = self.view.address_of(order.peer_id)
@@ -256,11 +264,27 @@ class ControlPlane:
 
     # -- peer RPC handlers -----------------------------------------------------------------------
 
-    async def on_gossip(self, sender: str, message: cpb.GossipMessage) -> pb.Accepted:
+    async def on_gossip(self, sender: str, message: cpb.GossipMessage) -> pb.Accepted | cpb.GossipMessage:
+        """Take one gossip message; when its sender asked for it, the first answer to it goes back in the
+        RPC's reply rather than in an RPC of its own."""
+        answer = self._received(sender, message, answer=message.answer_in_reply)
+        return answer if answer is not None else pb.Accepted()
+
+    def _received(self, sender: str, message: cpb.GossipMessage, answer: bool = False) -> cpb.GossipMessage | None:
+        """Hand ``message`` to the core and perform what it says; with ``answer``, the first message it
+        sends back to ``sender`` is not sent but returned."""
         self.view.heard_from(sender, time.time())
         self.metrics.gossip.labels("received").inc()
-        self.perform(self.core.on_message(sender, message, time.time()))
-        return pb.Accepted()
+        actions = self.core.on_message(sender, message, time.time())
+        answered: cpb.GossipMessage | None = None
+        if answer:
+            first = next((a for a in actions if isinstance(a, Send) and a.to == sender), None)
+            if first is not None:
+                actions.remove(first)
+                answered = first.message
+                self.metrics.gossip.labels("sent").inc()
+        self.perform(actions)
+        return answered
 
     async def on_route(self, sender: str, request: pb.RouteRequest) -> pb.RouteReply | pb.NoRoute:
         return self.duties.route_reply(request, self.view.offers(), self.view.links(), entry=sender)

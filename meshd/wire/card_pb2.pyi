@@ -233,7 +233,7 @@ class Leave(_message.Message):
     def __init__(self, from_peer: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class GossipMessage(_message.Message):
-    __slots__ = ("push_pull", "ping", "ack", "ping_req", "leave", "updates", "cards", "leases")
+    __slots__ = ("push_pull", "ping", "ack", "ping_req", "leave", "updates", "cards", "leases", "answer_in_reply")
     PUSH_PULL_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class GossipMessage(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     CARDS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_IN_REPLY_FIELD_NUMBER: _ClassVar[int]
     push_pull: PushPull
     ping: Ping
     ack: Ack
@@ -250,4 +251,5 @@ class GossipMessage(_message.Message):
     updates: _containers.RepeatedCompositeFieldContainer[MemberDigest]
     cards: _containers.RepeatedCompositeFieldContainer[SignedCard]
     leases: _containers.RepeatedCompositeFieldContainer[SignedLease]
-    def __init__(self, push_pull: _Optional[_Union[PushPull, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., ping_req: _Optional[_Union[PingReq, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., updates: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ...) -> None: ...
+    answer_in_reply: bool
+    def __init__(self, push_pull: _Optional[_Union[PushPull, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., ping_req: _Optional[_Union[PingReq, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., updates: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., cards: _Optional[_Iterable[_Union[SignedCard, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[SignedLease, _Mapping]]] = ..., answer_in_reply: _Optional[bool] = ...) -> None: ...

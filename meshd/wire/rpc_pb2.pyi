@@ -280,7 +280,7 @@ class PeerRequest(_message.Message):
     def __init__(self, gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., placement: _Optional[_Union[PlacementOrder, _Mapping]] = ..., model_files: _Optional[_Union[ModelFilesRequest, _Mapping]] = ..., dialback: _Optional[_Union[DialbackRequest, _Mapping]] = ..., manifest: _Optional[_Union[ManifestRequest, _Mapping]] = ..., chunk: _Optional[_Union[ChunkRequest, _Mapping]] = ..., join: _Optional[_Union[_admission_pb2.JoinRequest, _Mapping]] = ..., speed_check: _Optional[_Union[SpeedCheck, _Mapping]] = ..., prefix_probe: _Optional[_Union[PrefixProbe, _Mapping]] = ..., kv_put: _Optional[_Union[_kv_tier_pb2.KVPut, _Mapping]] = ..., kv_get: _Optional[_Union[_kv_tier_pb2.KVGet, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceRequest, _Mapping]] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined", "speed_checked", "prefix_held", "kv_chunk", "kv_missing", "traced")
+    __slots__ = ("accepted", "route", "no_route", "model_files", "dialback", "error", "manifest", "chunk", "joined", "speed_checked", "prefix_held", "kv_chunk", "kv_missing", "gossip", "traced")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     NO_ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class PeerReply(_message.Message):
     PREFIX_HELD_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
     KV_MISSING_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
     TRACED_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     route: RouteReply
@@ -308,5 +309,6 @@ class PeerReply(_message.Message):
     prefix_held: PrefixHeld
     kv_chunk: _kv_tier_pb2.KVChunk
     kv_missing: _kv_tier_pb2.KVMissing
+    gossip: _card_pb2.GossipMessage
     traced: _trace_pb2.TraceReply
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ..., speed_checked: _Optional[_Union[SpeedChecked, _Mapping]] = ..., prefix_held: _Optional[_Union[PrefixHeld, _Mapping]] = ..., kv_chunk: _Optional[_Union[_kv_tier_pb2.KVChunk, _Mapping]] = ..., kv_missing: _Optional[_Union[_kv_tier_pb2.KVMissing, _Mapping]] = ..., traced: _Optional[_Union[_trace_pb2.TraceReply, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., route: _Optional[_Union[RouteReply, _Mapping]] = ..., no_route: _Optional[_Union[NoRoute, _Mapping]] = ..., model_files: _Optional[_Union[ModelFiles, _Mapping]] = ..., dialback: _Optional[_Union[DialbackReply, _Mapping]] = ..., error: _Optional[_Union[RpcError, _Mapping]] = ..., manifest: _Optional[_Union[WeightsManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., joined: _Optional[_Union[_admission_pb2.JoinReply, _Mapping]] = ..., speed_checked: _Optional[_Union[SpeedChecked, _Mapping]] = ..., prefix_held: _Optional[_Union[PrefixHeld, _Mapping]] = ..., kv_chunk: _Optional[_Union[_kv_tier_pb2.KVChunk, _Mapping]] = ..., kv_missing: _Optional[_Union[_kv_tier_pb2.KVMissing, _Mapping]] = ..., gossip: _Optional[_Union[_card_pb2.GossipMessage, _Mapping]] = ..., traced: _Optional[_Union[_trace_pb2.TraceReply, _Mapping]] = ...) -> None: ...
