@@ -303,3 +303,64 @@ def test_a_peer_that_restarted_and_forgot_its_sequence_is_told_its_floor_and_com
     restarted.on_message(a_id.peer_id, told[0].message, now + 1)
     a.on_message(b_id.peer_id, restarted._push_pull_request(), now + 1.5)
     assert a.members()[b_id.peer_id] == MemberState.ALIVE and b_id.peer_id in a.live_cards()
+
+
+def _count_pings(net: Network) -> list[tuple[float, str, str]]:
+    """Record every ping the nodes send from now on, as (time, sender, target)."""
+    pings: list[tuple[float, str, str]] = []
+    perform = net.perform
+
+    def recording(sender: str, actions) -> None:
+        actions = list(actions)
+        for action in actions:
+            if isinstance(action, Send) and action.message.WhichOneof("body") == "ping":
+                pings.append((net.now, sender, str(action.to)))
+        perform(sender, actions)
+
+    net.perform = recording  # type: ignore[method-assign]
+    return pings
+
+
+def test_a_member_heard_from_is_not_pinged_until_it_goes_quiet_and_then_dies_within_the_bound():
+    net = Network(3)
+    net.join_all_via(0)
+    start = net.run_until(20.0, net.converged)
+    assert start is not None
+    a, b, c = net.ids
+    pings = _count_pings(net)
+    net.run_until(start + 10.0)
+    baseline = sum(1 for _, sender, to in pings if sender == a and to == b)
+    assert baseline >= 5  # the control: without other traffic a pings b every few slots
+
+    pings.clear()
+    net.after_tick = lambda: net.nodes[a].heard_from(b, net.now)  # b's traffic seen by a's host
+    quiet_from = net.run_until(start + 20.0) or net.now
+    assert [p for p in pings if p[1] == a and p[2] == b] == []
+    assert sum(1 for _, sender, to in pings if sender == a and to == c) >= 5  # c is still probed
+
+    net.after_tick = None
+    net.silent.add(b)
+    bound = dead_everywhere_bound(CONFIG, len(net.ids))
+    at = net.run_until(quiet_from + bound + 1, lambda: net.all_see(b, MemberState.DEAD))
+    assert at is not None and at - quiet_from <= bound
+    first_ping = min(t for t, sender, to in pings if sender == a and to == b)
+    assert first_ping - quiet_from <= 2 * CONFIG.probe_interval + STEP
+
+
+def test_a_member_that_joins_while_the_others_are_heard_from_is_still_probed():
+    net = Network(3)
+    a, b, c = net.ids
+    net.silent.add(c)
+    net.nodes[b].add_seed("node0:7400")
+    start = net.run_until(20.0, lambda: net.converged([a, b]))
+    assert start is not None
+    net.after_tick = lambda: net.nodes[a].heard_from(b, net.now)
+    net.run_until(start + 3.0)  # a's round now holds only b, passed over every slot
+    pings = _count_pings(net)
+    net.silent.discard(c)
+    net.nodes[c].add_seed("node0:7400")
+    joined = net.run_until(start + 20.0, net.converged)
+    assert joined is not None
+    net.run_until(joined + 5.0)
+    assert any(sender == a and to == c for _, sender, to in pings)
+    assert not any(sender == a and to == b for _, sender, to in pings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -128,6 +129,25 @@ async def test_unary_request_authenticates_both_sides(server_identity, client_id
                 await stream.send_message(b"again")
                 assert await stream.receive_message() == b"re:again"
                 assert await stream.receive_message() is None
+
+
+async def test_each_side_knows_when_the_other_last_sent_it_bytes(server_identity, client_identity):
+    async def handler(stream):
+        await stream.send_message(await stream.receive_message())
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(server_identity, handler) as server, Transport(client_identity) as client:
+            assert client.last_received() == {} and server.last_received() == {}
+            address = Address(HOST, server.listen_port)
+            await client.request(server_identity.peer_id, address, "/v1/echo", b"one")
+            first = client.last_received()[server_identity.peer_id]
+            assert client_identity.peer_id in server.last_received()
+            await trio.sleep(0.05)
+            before = time.monotonic()
+            await client.request(server_identity.peer_id, address, "/v1/echo", b"two")
+            second = client.last_received()[server_identity.peer_id]
+            assert second >= before > first  # the reply moved it, the quiet time in between did not
+            assert server.last_received()[client_identity.peer_id] >= before
 
 
 async def test_handler_error_status_is_reported(server_identity, client_identity):

@@ -118,13 +118,18 @@ class ControlCore:
 class ControlPlane:
     def __init__(self, identity: Identity, config: PeerConfig, opener: StreamOpener,
                  card: Callable[[], cpb.CapabilityCard], directly_reachable: Callable[[], bool],
-                 metrics: PeerMetrics | None = None) -> None:
+                 metrics: PeerMetrics | None = None,
+                 last_received: Callable[[], Mapping[str, float]] | None = None) -> None:
+        """``last_received``: per peer, when (``time.monotonic()``) the transport last got bytes from
+        it (:meth:`~meshd.transport.transport.Transport.last_received`); gossip takes that as proof
+        of life and spares those peers its probes."""
         self.identity = identity
         self.metrics = metrics or PeerMetrics()
         self.config = config
         self.opener = opener
         self.card = card
         self.directly_reachable = directly_reachable
+        self.last_received = last_received
         self.gossip = GossipNode.with_identity(identity, card(), gossip_config(config), rng=random.Random(),
                                                card_ttl_ms=int(config.card_ttl_s * 1000))
         for address in config.bootstrap:
@@ -193,6 +198,10 @@ class ControlPlane:
     async def tick(self, now: float) -> None:
         # the tracker must be directly reachable: every peer asks it for routes
         may_claim = self.config.tracker_eligible and not self.leaving and self.directly_reachable()
+        if self.last_received is not None:
+            ago = time.monotonic()
+            for peer_id, at in self.last_received().items():
+                self.gossip.heard_from(peer_id, now - (ago - at))
         self.perform(self.core.tick(now, may_claim))
         if not self.leaving and now - self._links_checked >= LINKS_REFRESH_S:
             self._links_checked = now

@@ -141,7 +141,7 @@ class Peer:
                                metrics=self.metrics)
         self.control = ControlPlane(self.identity, config, self.transport, card=self._card,
                                     directly_reachable=lambda: bool(self.reachability.direct_addresses()),
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, last_received=self.transport.last_received)
         if self.membership.gate is not None:
             self.control.gossip.admit_with(self.membership.gate)
         self.audits = AuditBook(self.peer_id)

@@ -7,8 +7,13 @@ Failure detection. Every ``probe_interval`` the node pings the next member of a 
 round-robin. Without an Ack within ``probe_timeout`` it asks ``indirect_probes`` other members to
 ping the target for it (so one bad link does not condemn a healthy peer). Without any Ack by the
 end of the interval the target becomes SUSPECT; a suspicion not refuted within ``suspect_timeout``
-makes it DEAD. A peer refutes by issuing a card with a higher sequence: the card sequence is the
-SWIM incarnation, and since only the peer can sign its card, nobody else can refute for it.
+makes it DEAD. A member that proved itself alive within the last ``probe_interval`` (its own gossip,
+or whatever else the host saw it send: :meth:`GossipNode.heard_from`) keeps its place in the
+round-robin unprobed, as a ping would only learn what the node knows already; it is probed in the
+first slot after it has been quiet for an interval, so a peer that falls silent waits at most one
+interval longer for its first probe. Peers that talk anyway (a route's hops under load) pay no probes.
+A peer refutes by issuing a card with a higher sequence: the card sequence is the SWIM incarnation,
+and since only the peer can sign its card, nobody else can refute for it.
 
 Dissemination. State changes and new cards ride on every outgoing message ("piggyback"), each
 about ``retransmit_mult * ceil(log10(n + 1))`` times; every ``pushpull_interval`` the node also
@@ -25,7 +30,7 @@ Time to DEAD everywhere. Each period a live target is probed by every other memb
 with ``n`` members a silent peer goes undetected for ``p`` periods with probability about
 ``exp(-p)``. With high probability it is DEAD at every member within :func:`dead_everywhere_bound`::
 
-    (ceil(ln n) + 2) * probe_interval              first suspicion
+    (ceil(ln n) + 3) * probe_interval              first suspicion (one interval of it: the deferral)
   + suspect_timeout                                 unrefuted suspicion
   + (ceil(log2 n) + 2) * min(probe_interval, pushpull_interval)   spread of the verdict
 """
@@ -89,7 +94,7 @@ class GossipConfig:
 
 def dead_everywhere_bound(config: GossipConfig, n_members: int) -> float:
     """High-probability bound from a peer going silent to DEAD at every member (see module doc)."""
-    detect = (math.ceil(math.log(max(n_members, 2))) + 2) * config.probe_interval
+    detect = (math.ceil(math.log(max(n_members, 2))) + 3) * config.probe_interval
     spread = (math.ceil(math.log2(max(n_members, 2))) + 2) * min(config.probe_interval, config.pushpull_interval)
     return detect + config.suspect_timeout + spread
 
@@ -100,6 +105,7 @@ class Member:
     state: MemberState
     incarnation: int  # the card sequence this state refers to
     since: float      # when this node saw the state begin
+    heard: float = -math.inf  # when it last proved itself alive to this node (a message it sent)
 
 
 @dataclass
@@ -279,9 +285,17 @@ class GossipNode:
         count = self.config.fanout + self.config.indirect_probes
         return [self._send(peer_id, message) for peer_id in targets[:count]]
 
+    def heard_from(self, peer_id: str, at: float) -> None:
+        """``peer_id`` was seen sending something at ``at`` (over a connection that proved who sent
+        it): evidence that it is alive, which spares it a probe (see the module doc)."""
+        m = self._members.get(peer_id)
+        if m is not None and at > m.heard:
+            m.heard = at
+
     def on_message(self, sender: str, msg: pb.GossipMessage, now: float) -> list[Action]:
         """Handle one message; ``sender`` is the peer id the transport authenticated."""
         actions: list[Action] = []
+        self.heard_from(sender, now)
         body = msg.WhichOneof("body")
         if body == "push_pull":  # before any card: a revoked peer's card is refused, not taken and dropped
             self._merge_revocations(msg.push_pull.revocations, now, actions)
@@ -383,24 +397,38 @@ class GossipNode:
                     self._set_state(probe.target, MemberState.SUSPECT, target.incarnation, now, actions)
                     actions.append(self._send(probe.target, pb.GossipMessage()))  # carries the suspicion
         if self._probe is None and now >= self._next_probe_at:
-            target_id = self._next_target()
+            target_id = self._next_target(now)
             if target_id is not None:
                 self._next_probe_at = now + self.config.probe_interval
                 self._probe = _Probe(target_id, self._next_seq(), now)
                 ping = pb.Ping(seq=self._probe.seq, from_peer=self.self_id)
                 actions.append(self._send(target_id, pb.GossipMessage(ping=ping)))
 
-    def _next_target(self) -> str | None:
-        while True:
-            if not self._probe_order:
-                self._probe_order = self._probeable()
-                self.rng.shuffle(self._probe_order)
-                if not self._probe_order:
-                    return None
-            candidate = self._probe_order.pop()
-            m = self._members.get(candidate)
-            if m is not None and m.state not in _GONE and candidate in self.store:
-                return candidate
+    def _next_target(self, now: float) -> str | None:
+        """The next member of the round-robin to ping, passing over (and keeping in place) those heard
+        from within the last interval; None when there is none to ping in this slot. Members that
+        joined since the round began are added to it when all of it is passed over, so that a round
+        held up by talkative members does not keep a newcomer from being probed."""
+        if not self._probe_order:
+            self._probe_order = self._probeable()
+            self.rng.shuffle(self._probe_order)
+        recent = now - self.config.probe_interval
+        for _ in range(2):
+            for index in range(len(self._probe_order) - 1, -1, -1):
+                candidate = self._probe_order[index]
+                m = self._members.get(candidate)
+                if m is None or m.state in _GONE or candidate not in self.store:
+                    del self._probe_order[index]
+                elif not (m.state == MemberState.ALIVE and m.heard >= recent):
+                    del self._probe_order[index]
+                    return candidate
+            waiting = set(self._probe_order)
+            newcomers = [p for p in self._probeable() if p not in waiting]
+            if not newcomers:
+                return None
+            self.rng.shuffle(newcomers)
+            self._probe_order[:0] = newcomers  # after those already waiting: the list is taken from its end
+        return None
 
     def _on_ack(self, ack: pb.Ack, actions: list[Action]) -> None:
         probe = self._probe

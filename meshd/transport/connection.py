@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -95,6 +96,7 @@ class Connection:
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._finished = trio.Event()
+        self.last_received = time.monotonic()  # when the peer last sent bytes (the handshake counts)
 
     def __repr__(self) -> str:
         side = "to" if self.client_side else "from"
@@ -231,6 +233,7 @@ class Connection:
                 if not data:
                     self._close("peer closed the connection")
                     return
+                self.last_received = time.monotonic()
                 try:
                     events = self._h2.receive_data(data)
                 except h2.exceptions.ProtocolError as exc:

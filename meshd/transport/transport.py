@@ -293,6 +293,15 @@ class Transport:
         via = self._outbound_via.get(peer_id)
         return "relay" if via is not None and via.relay else "direct"
 
+    def last_received(self) -> dict[str, float]:
+        """Per peer, when (``time.monotonic()``) a live connection with it last carried bytes from it:
+        proof that the peer's process is up, which its gossip need not probe again."""
+        heard: dict[str, float] = {}
+        for connection in [*self._outbound.values(), *self._inbound]:
+            if connection.is_alive and connection.last_received > heard.get(connection.peer_id, -1.0):
+                heard[connection.peer_id] = connection.last_received
+        return heard
+
     async def check_dialable(self, peer_id: str, address: Address | str, timeout: float = 5.0) -> str | None:
         """Dial ``address`` afresh (no pooled connection) expecting ``peer_id``, then hang up.
 
