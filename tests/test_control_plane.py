@@ -74,6 +74,8 @@ async def test_an_answer_rides_on_the_reply_and_probes_keep_both_peers_alive():
     async with trio.open_nursery() as nursery:
         a, b = await two_planes(nursery, arrived)
         await watch_both_alive(a, b)
+        seen = a.view.last_seen(b.peer_id)  # what /peers shows as last_seen_s: gossip's own record
+        assert seen is not None and time.time() - seen < 2 * a.config.probe_interval_s
         nursery.cancel_scope.cancel()
     kinds = [kind for _, _, kind in arrived]
     assert kinds.count("ping") >= 4 and "push_pull" in kinds

@@ -282,7 +282,6 @@ class ControlPlane:
     def _received(self, sender: str, message: cpb.GossipMessage, answer: bool = False) -> cpb.GossipMessage | None:
         """Hand ``message`` to the core and perform what it says; with ``answer``, the first message it
         sends back to ``sender`` is not sent but returned."""
-        self.view.heard_from(sender, time.time())
         self.metrics.gossip.labels("received").inc()
         actions = self.core.on_message(sender, message, time.time())
         answered: cpb.GossipMessage | None = None

@@ -79,7 +79,7 @@ def peers_table(peer: Peer) -> list[dict[str, Any]]:
             "device": card.hardware.device, "device_memory_bytes": card.hardware.device_memory_bytes,
             "active_sessions": card.load.active_sessions, "queued": card.load.queued,
             "rtt_ms": None if peer_id == peer.peer_id else view.meter.rtt_ms(peer_id),
-            "last_seen_s": None if peer_id not in view.last_seen else round(now - view.last_seen[peer_id], 2),
+            "last_seen_s": None if (seen := view.last_seen(peer_id)) is None else round(now - seen, 2),
             "card_age_s": round(now - card.issued_at_ms / 1000, 2), "sequence": card.sequence,
             "audit": peer.audits.of(peer_id), "demoted": demoted.get(peer_id), "speed": peer.speed.of(peer_id),
         })

@@ -105,7 +105,7 @@ class Member:
     state: MemberState
     incarnation: int  # the card sequence this state refers to
     since: float      # when this node saw the state begin
-    heard: float = -math.inf  # when it last proved itself alive to this node (a message it sent)
+    heard: float = -math.inf  # when it last proved itself alive to this node (see heard_from)
 
 
 @dataclass

@@ -10,6 +10,7 @@ which models the mesh covers.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -169,7 +170,6 @@ class MeshView:
     gossip: GossipNode
     clock: Callable[[], float]
     meter: LinkMeter = field(default_factory=LinkMeter)
-    last_seen: dict[str, float] = field(default_factory=dict)  # wall-clock time of the last message heard
     _unreachable: dict[str, float] = field(default_factory=dict)
     _demoted: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer -> (card sequence, why)
 
@@ -238,7 +238,7 @@ class MeshView:
     def record_rtt(self, peer_id: str, elapsed_ms: float, wall_now: float, nbytes: int = 0) -> None:
         """A request of ``nbytes`` to the peer answered after ``elapsed_ms``."""
         self.meter.record_rtt(peer_id, elapsed_ms, self.clock(), nbytes)
-        self.last_seen[peer_id] = wall_now
+        self.gossip.heard_from(peer_id, wall_now)
 
     def record_transfer(self, peer_id: str, nbytes: int, started: float, ended: float) -> None:
         """A bulk transfer with the peer, timed on :attr:`clock`: what measures a link's rate."""
@@ -252,8 +252,11 @@ class MeshView:
         held = {m.peer_id for m in own.card.links} if own is not None else set()
         return self.meter.published(self.clock(), serving.__contains__, held)
 
-    def heard_from(self, peer_id: str, wall_now: float) -> None:
-        self.last_seen[peer_id] = wall_now
+    def last_seen(self, peer_id: str) -> float | None:
+        """When (wall clock) the peer last proved itself alive here: gossip's record, which every
+        message it sent and every byte the transport received from it update."""
+        member = self.gossip.member(peer_id)
+        return None if member is None or member.heard == -math.inf else member.heard
 
     def alive_members(self) -> list[str]:
         return sorted(p for p, state in self.gossip.members().items() if state == MemberState.ALIVE)
