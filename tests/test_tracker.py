@@ -111,3 +111,17 @@ def test_a_card_claiming_a_billion_layers_offers_nothing():
     assert offers_of(card) == []
     card.models[0].n_layers = MAX_LAYERS
     assert len(offers_of(card)) == 1
+
+
+def test_placement_orders_are_sent_once_per_compat_key_until_they_are_due_again():
+    """An order not yet followed is not repeated before ``retry_s``; a peer that meanwhile took another
+    numerics class (and so offers another compat key) is ordered in that one at once."""
+    duties = TrackerDuties(retry_s=30.0)
+    whole = 4 * LAYER + 2 * EDGE
+    assert [(o.peer_id, o.compat_key) for o in duties.placement_orders([offer("a", whole)], now=0.0)] == [("a", "k")]
+    assert duties.placement_orders([offer("a", whole)], now=10.0) == []
+    moved = [offer("b", whole, (0, 4), compat_key="k2"), offer("a", whole, compat_key="k2")]
+    orders = duties.placement_orders(moved, now=11.0)
+    assert [(o.peer_id, o.compat_key) for o in orders] == [("a", "k2")]
+    assert duties.placement_orders(moved, now=12.0) == []
+    assert [o.peer_id for o in duties.placement_orders(moved, now=41.5)] == ["a"], "due again"

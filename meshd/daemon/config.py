@@ -66,7 +66,9 @@ class PeerConfig:
                          "scale per output channel, activations, KV and the seam float32)")
     numerics: str = setting("", "pin the numerics class (as meshctl status shows it, e.g. "
                             "cpu/float32/prefill-native/decode-native-rows1) instead of measuring the fastest here: "
-                            "peers in different classes never share a route, and measurements vary from peer to peer")
+                            "peers in different classes never share a route, and measurements vary from peer to peer "
+                            "(a measured class gives way, in a peer's first two minutes, to the class of the peer "
+                            "that has served the model longest, when this peer computes that class alike)")
     device: str = setting("auto", "auto (cuda:0, else mps, else cpu), cpu, cuda, cuda:N or mps")
     memory_budget: int = setting(8 * 1024**3, "bytes of weights this peer may load (e.g. \"6GiB\")")
     kv_budget: int = setting(1024**3, "bytes of KV state across sessions (e.g. \"1GiB\")")

@@ -36,6 +36,7 @@ from meshd.daemon.backend import MeshBackend
 from meshd.daemon.config import PeerConfig
 from meshd.daemon.control import build_control_app
 from meshd.daemon.control_plane import ControlPlane
+from meshd.daemon.numerics_adoption import ClassHolder, NumericsAdoption
 from meshd.daemon.reachability import Reachability
 from meshd.daemon.status import peer_status
 from meshd.errors import MeshError, ModelFormatError
@@ -57,7 +58,7 @@ from meshd.rpc.router import MAX_OUTSIDER_REQUEST_BYTES, MAX_REQUEST_BYTES
 from meshd.runtime.cpu_turn import CpuTurn
 from meshd.runtime.devices import device_memory_bytes, resolve_device
 from meshd.runtime.host import ComputeThread, ShardHost
-from meshd.runtime.model_info import ModelInfo, choose_numerics, describe_model
+from meshd.runtime.model_info import ModelInfo, choose_numerics, class_here, describe_model
 from meshd.runtime.prefix_kv import PrefixSnapshot
 from meshd.runtime.served_model import CheckRefused, PlacementRefused, ServedModel
 from meshd.session import messages as seam
@@ -144,6 +145,11 @@ class Peer:
                                     metrics=self.metrics, last_received=self.transport.last_received)
         if self.membership.gate is not None:
             self.control.gossip.admit_with(self.membership.gate)
+        # a class this peer measured gives way to the one the longest-serving peer computes in
+        self.adoption = (NumericsAdoption(self._class_held, lambda: self.control.view.cards().values(),
+                                          self._class_info, self._adopt_class, self._may_change_class)
+                         if self.served is not None and not config.numerics
+                         and self.served.info.numerics.backend == "torch" else None)
         self.audits = AuditBook(self.peer_id)
         self.control.gossip.accusations = self.audits.accusations
         self.tier_store = TierStore(config.kv_tier) if config.kv_tier else None  # the memory this peer lends
@@ -238,15 +244,59 @@ class Peer:
 
         served = ServedModel(info, host, pinned=cfg.layers, on_change=self._republish, prepare=fetch,
                              prefill_only=cfg.prefill_only)
-        self.served = served
-        self.hops.host, self.hops.model = host, info
-        self.files.local = info
-        self.weights.offer(info)
-        self._republish()
+        self._serve(served)
         while cfg.layers is not None and served.range is None and not served.error:
             await served.load(*cfg.layers)  # pinned: nobody orders it again, so retry here
             if served.range is None and not served.error:
                 await trio.sleep(PINNED_RETRY_S)
+
+    def _serve(self, served: ServedModel) -> None:
+        """Make ``served`` the model every plane of this peer serves, and say so in the card."""
+        self.served = served
+        self.hops.host, self.hops.model = served.host, served.info
+        self.files.local = served.info
+        self.weights.offer(served.info)
+        self._republish()
+
+    # -- one numerics class with the peers serving the same model (meshd.daemon.numerics_adoption) ---
+
+    def _class_held(self) -> ClassHolder | None:
+        served = self.served
+        if served is None:
+            return None
+        info = served.info
+        return ClassHolder(self.peer_id, info.model_id, info.numerics.name, info.compat_key, served.class_since_ms)
+
+    def _may_change_class(self) -> bool:
+        """Neither loading a range nor holding sessions: nothing is lost when the shard is rebuilt."""
+        served = self.served
+        loading = served is not None and served.load_started and not (served.measured or served.error)
+        return not loading and self.hops.active_sessions == 0 and self.hops.queued == 0
+
+    async def _class_info(self, holder: ClassHolder) -> ModelInfo:
+        """This peer's model described in ``holder``'s class, once checked to compute here as it does there."""
+        assert self.served is not None
+        info = self.served.info
+        numerics = await self.served.host.run_sync(class_here, info.model_dir, holder.numerics, info.numerics)
+        adopted = await trio.to_thread.run_sync(functools.partial(
+            describe_model, info.model_dir, info.model_id, numerics=numerics,
+            cache_dir=self.config.data_dir / "cache" / "manifests"))
+        if adopted.compat_key != holder.compat_key:
+            raise ModelFormatError(f"its compat key differs from this peer's in that class ({holder.compat_key[:12]} "
+                                   f"against {adopted.compat_key[:12]}): other files under the name {info.model_id}")
+        return adopted
+
+    async def _adopt_class(self, info: ModelInfo, holder: ClassHolder) -> None:
+        """Serve the model in ``info``'s class from now on: a new shard host, its range loaded again."""
+        old, cfg = self.served, self.config
+        assert old is not None
+        served = ServedModel(info, self._shard_host(info, ComputeThread()), pinned=cfg.layers,
+                             on_change=self._republish, measured_ms=old.measured_ms, prefill_only=cfg.prefill_only)
+        served.class_from = holder.peer_id
+        self._serve(served)
+        old.host.close()
+        if cfg.layers is not None and self._nursery is not None:
+            self._nursery.start_soon(served.load, *cfg.layers)
 
     # -- the card ----------------------------------------------------------------------------------
 
@@ -535,6 +585,8 @@ class Peer:
                     if self.joining is not None:
                         nursery.start_soon(self._join_model, self.joining)
                     await nursery.start(self.control.run, self._on_tick)
+                    if self.adoption is not None:
+                        await nursery.start(self.adoption.run)
                     await nursery.start(self.hops.run)
                     await nursery.start(self.speed.run)
                     await nursery.start(self.tier.run)

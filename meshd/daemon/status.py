@@ -36,6 +36,7 @@ def peer_status(peer: Peer) -> dict[str, Any]:
         "numerics": served.info.numerics.name if served else None,
         "backend": served.info.numerics.backend if served else None,
         "numerics_measured_ms": served.measured_ms if served else {},
+        "numerics_from": (served.class_from or None) if served else None,
         "shard_error": (served.error or None) if served else (peer.model_error or None),
         "shard_checks": [c.__dict__ for c in served.checks] if served else [],
         "weights_fetch": peer.joining.status() if peer.joining is not None else None,

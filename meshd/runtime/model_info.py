@@ -26,7 +26,15 @@ from meshd.runtime.int8 import INVARIANT_ROWS, int8_weight_bytes, is_int8_weight
 from meshd.runtime.int8 import available as int8_available
 from meshd.runtime.loader import Checkpoint, is_gguf_model, load_config, open_checkpoint, weight_files
 from meshd.runtime.manifest import Manifest, weights_manifest
-from meshd.runtime.numerics import INT8, Choice, Numerics, calibrate, default_numerics, numerics_from_name
+from meshd.runtime.numerics import (
+    INT8,
+    Choice,
+    Numerics,
+    calibrate,
+    default_numerics,
+    numerics_from_name,
+    row_band,
+)
 from meshd.wire.bundle import SCHEMA_VERSION
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -151,14 +159,31 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
         device, weights = "cpu", "+".join(w for w in (weights, INT8) if w)
     base = replace(default_numerics(held, resolve_device(device)), weights=weights)
     if pinned:
-        try:
-            chosen = numerics_from_name(pinned, base.device)
-        except ValueError as exc:
-            raise ModelFormatError(str(exc)) from None
-        if (chosen.dtype, chosen.weights) != (base.dtype, base.weights):
-            raise ModelFormatError(f"numerics class {pinned!r} holds other weights than this peer does: it would "
-                                   f"hold this model as {base.name} (see --dtype)")
-        return Choice(chosen, {})
+        return Choice(_named_class(pinned, base), {})
+    shapes, band_shapes = _linear_shapes(model_dir)
+    if int8 and len(band_shapes) == 1:  # no expert: no float GEMM is left for the measurements to choose for
+        return Choice(replace(base, decode_max_rows=INVARIANT_ROWS), {})
+    if not shapes:
+        return Choice(base, {})
+    with turn.held() if turn is not None and base.device_kind == "cpu" else contextlib.nullcontext():
+        return calibrate(base, shapes, prefill_rows, band_shapes=band_shapes)
+
+
+def _named_class(name: str, base: Numerics) -> Numerics:
+    """The numerics class ``name`` on ``base``'s device; it must hold the weights as ``base`` does."""
+    try:
+        chosen = numerics_from_name(name, base.device)
+    except ValueError as exc:
+        raise ModelFormatError(str(exc)) from None
+    if (chosen.dtype, chosen.weights) != (base.dtype, base.weights):
+        raise ModelFormatError(f"numerics class {name!r} holds other weights than this peer does: it would "
+                               f"hold this model as {base.name} (see --dtype)")
+    return chosen
+
+
+def _linear_shapes(model_dir: Path) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The ``(out, in)`` shapes of one decoder layer's dense linears, and of the other GEMMs a decode step
+    runs (the experts', then the LM head): what the numerics are measured and the band probed on."""
     config = load_config(model_dir)
     adapter = adapter_for(config)
     index = open_checkpoint(model_dir)
@@ -168,14 +193,27 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
         shape = index.entry(name)["shape"]
         if name.endswith(".weight") and len(shape) == 2:  # type: ignore[arg-type]
             (experts if ".experts." in name else shapes).append((int(shape[0]), int(shape[1])))  # type: ignore[index]
-    if int8 and not experts:  # no float GEMM is left for the measurements to choose for
-        return Choice(replace(base, decode_max_rows=INVARIANT_ROWS), {})
-    if not shapes:
-        return Choice(base, {})
-    # a decode step's GEMMs are also the experts' and the LM head's: the band must hold for them too
-    head = (int(config.vocab_size), int(config.hidden_size))
-    with turn.held() if turn is not None and base.device_kind == "cpu" else contextlib.nullcontext():
-        return calibrate(base, shapes, prefill_rows, band_shapes=[*sorted(set(experts)), head])
+    return shapes, [*sorted(set(experts)), (int(config.vocab_size), int(config.hidden_size))]
+
+
+def class_here(model_dir: Path, name: str, held: Numerics) -> Numerics:
+    """The numerics class ``name``, which other peers compute this model in, as this peer would compute
+    it, holding the weights as ``held`` does; :class:`ModelFormatError` when it cannot compute it so: the
+    class needs kernels or a device kind this peer lacks, holds the weights otherwise, or its band of
+    decode rows is wider than the one inside which this machine's kernels compute every row alike (a
+    session's tokens would then depend on the batch it shares)."""
+    numerics = _named_class(name, held)
+    low, high = numerics.decode_band
+    shapes, band_shapes = _linear_shapes(model_dir)
+    if high > low and not (numerics.int8 and len(band_shapes) == 1):  # int8's own GEMMs keep every row alike
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        weights = [(torch.randn(shape, generator=gen) * 0.02).to(dtype=numerics.dtype, device=numerics.device)
+                   for shape in dict.fromkeys(shapes + band_shapes)]
+        here_low, here_high = row_band(numerics, weights)
+        if here_low != low or here_high < high:
+            raise ModelFormatError(f"numerics class {name!r} decodes in GEMMs of {low} to {high} rows, and here "
+                                   f"only {here_low} to {here_high} rows compute each row alike that way")
+    return numerics
 
 
 def _check_int8(device: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -65,6 +66,8 @@ class ServedModel:
         self.prefill_only = prefill_only
         self.on_change = on_change
         self.measured_ms = measured_ms or {}  # what choosing the numerics measured
+        self.class_since_ms = int(time.time() * 1000)  # computing the model in this numerics class since
+        self.class_from = ""  # the peer whose numerics class this peer took instead of the one it measured
         self.decode_tok_s = 0.0
         self.probed_prefill_tok_s = 0.0  # measured after loading; the batcher's own figure once it has one
         self.card_prefill_tok_s = 0.0  # the figure cards carry: moved only when the measured one moved clearly
@@ -96,7 +99,7 @@ class ServedModel:
             quantization=info.numerics.weights.removeprefix("gguf-"),
             prefill_tok_s=self._card_prefill_figure(),
             kv_token_bytes=shard.kv_bytes_per_token() if (shard := self.host.shard) is not None else 0,
-            prefill_only=self.prefill_only,
+            prefill_only=self.prefill_only, class_since_ms=self.class_since_ms,
         )
 
     def _card_prefill_figure(self) -> float:

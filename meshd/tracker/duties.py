@@ -82,7 +82,8 @@ class Order:
 @dataclass
 class TrackerDuties:
     retry_s: float = PLACEMENT_RETRY_S
-    _orders: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)  # peer -> (range, sent at)
+    # (peer, compat key) -> (range, sent at): a peer that takes another numerics class is ordered anew at once
+    _orders: dict[tuple[str, str], tuple[tuple[int, int], float]] = field(default_factory=dict)
     _epochs: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def next_epoch(self) -> int:
@@ -106,17 +107,14 @@ class TrackerDuties:
             if offer.prefill_only:
                 continue
             by_model.setdefault((offer.model_id, offer.compat_key, offer.n_layers), []).append(offer)
+        self._orders = {k: order for k, order in self._orders.items() if now - order[1] < self.retry_s}
         orders = []
         for (model_id, compat_key, _n), group in sorted(by_model.items()):
-            if not any(o.range is None and not self._recently_ordered(o.peer_id, now) for o in group):
+            if not any(o.range is None and (o.peer_id, compat_key) not in self._orders for o in group):
                 continue
-            pending = {p: layers for p, (layers, sent) in self._orders.items() if now - sent < self.retry_s}
+            pending = {p: layers for (p, key), (layers, _sent) in self._orders.items() if key == compat_key}
             view = [o.placed(pending[o.peer_id]) if o.range is None and o.peer_id in pending else o for o in group]
             for peer_id, layers in sorted(place(view).items()):
-                self._orders[peer_id] = (layers, now)
+                self._orders[(peer_id, compat_key)] = (layers, now)
                 orders.append(Order(peer_id, model_id, compat_key, layers))
         return orders
-
-    def _recently_ordered(self, peer_id: str, now: float) -> bool:
-        order = self._orders.get(peer_id)
-        return order is not None and now - order[1] < self.retry_s

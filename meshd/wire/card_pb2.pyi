@@ -35,7 +35,7 @@ class Hardware(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., device: _Optional[str] = ..., cpu_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelServed(_message.Message):
-    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error", "backend", "quantization", "prefill_tok_s", "kv_token_bytes", "prefill_only")
+    __slots__ = ("model_id", "compat_key", "n_layers", "range_start", "range_end", "decode_tok_s", "pinned", "layer_bytes", "edge_bytes", "context_length", "numerics", "shard_error", "backend", "quantization", "prefill_tok_s", "kv_token_bytes", "prefill_only", "class_since_ms")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_KEY_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class ModelServed(_message.Message):
     PREFILL_TOK_S_FIELD_NUMBER: _ClassVar[int]
     KV_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CLASS_SINCE_MS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     compat_key: str
     n_layers: int
@@ -70,7 +71,8 @@ class ModelServed(_message.Message):
     prefill_tok_s: float
     kv_token_bytes: int
     prefill_only: bool
-    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ..., backend: _Optional[str] = ..., quantization: _Optional[str] = ..., prefill_tok_s: _Optional[float] = ..., kv_token_bytes: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
+    class_since_ms: int
+    def __init__(self, model_id: _Optional[str] = ..., compat_key: _Optional[str] = ..., n_layers: _Optional[int] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., decode_tok_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., layer_bytes: _Optional[int] = ..., edge_bytes: _Optional[int] = ..., context_length: _Optional[int] = ..., numerics: _Optional[str] = ..., shard_error: _Optional[str] = ..., backend: _Optional[str] = ..., quantization: _Optional[str] = ..., prefill_tok_s: _Optional[float] = ..., kv_token_bytes: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., class_since_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("active_sessions", "queued")
