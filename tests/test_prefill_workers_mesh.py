@@ -31,9 +31,13 @@ def start_mesh(mesh: LocalMesh, model, *worker_flags: str) -> None:
     # and a replica of another class is no worker for the route
     pinned = ["--numerics", first.get("/status")["numerics"]]
     mesh.start_peers([dict(model=model, layers=r, module=CLAIMS, extra=[*slow, *pinned]) for r in SPLIT[1:]])
-    mesh.start_peer(model=model, layers=SPLIT[1], module=CLAIMS,
-                    extra=["--prefill-only", "--prefill-tok-s", "100000", *pinned, *worker_flags])
+    worker = mesh.start_peer(model=model, layers=SPLIT[1], module=CLAIMS,
+                             extra=["--prefill-only", "--prefill-tok-s", "100000", *pinned, *worker_flags])
     mesh.wait_covered("tiny")
+    # the model is covered without the worker, whose card offers its range only once it has loaded and
+    # measured it: until the entry sees that, it has no replica to prefill on
+    mesh.wait_until(lambda: any(row["peer_id"] == worker.peer_id and row["models"][0]["end"] == SPLIT[1][1]
+                                for row in first.get("/peers")["peers"]), 60, "the entry to see the worker's range")
 
 
 class BusySession(threading.Thread):
