@@ -133,6 +133,33 @@ async def test_the_watch_ends_with_its_window(autojump_clock):
     assert trio.current_time() == pytest.approx(5.0) and me.held.numerics == "z"
 
 
+async def test_a_first_look_waits_for_the_cards_of_other_peers(autojump_clock):
+    me = FakePeer(holder("me", "z", 900), [], [1000])
+    me.cards.append(card(me.held))
+
+    async def cards_come() -> None:
+        await trio.sleep(2.0)
+        me.cards.append(card(holder("a", "x", 100)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cards_come)
+        await me.adoption.first_look(lambda: len(me.cards) > 1)
+    assert trio.current_time() == pytest.approx(2.0, abs=0.2) and me.held.numerics == "x"
+
+    alone = FakePeer(holder("me", "z", 900), [], [1000])
+    started = trio.current_time()
+    await alone.adoption.first_look(lambda: False, timeout_s=5.0)
+    assert trio.current_time() - started == pytest.approx(5.0) and alone.adoption.adopted == []
+
+
+async def test_looks_taken_at_once_take_a_class_once():
+    me = FakePeer(holder("me", "z", 900), [card(holder("a", "x", 100)), card(holder("b", "y", 200))], [1000])
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(me.adoption.step)
+    assert me.adoption.adopted == ["x"] and me.checked == ["x"]
+
+
 def test_a_class_is_taken_only_where_its_band_of_decode_rows_holds(bench_model):
     held = Numerics(torch.float32, "cpu")
     shapes, band_shapes = _linear_shapes(bench_model)

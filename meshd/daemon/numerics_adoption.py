@@ -28,6 +28,7 @@ log = logging.getLogger("meshd.peer")
 
 ADOPTION_WINDOW_S = 120.0  # how long after starting a peer may still take another's class
 CHECK_INTERVAL_S = 1.0
+FIRST_LOOK_S = 5.0  # how long a peer with a pinned range waits for other peers' cards before loading it
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class NumericsAdoption(Generic[T]):
         self.window_s, self.interval_s = window_s, interval_s
         self.refused: dict[tuple[str, str], str] = {}  # (class, compat key) -> why it cannot compute here
         self.adopted: list[str] = []  # the classes taken, in turn
+        self._looking = trio.Lock()  # one look at a time: two would both take the class
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -94,8 +96,21 @@ class NumericsAdoption(Generic[T]):
             await trio.sleep(self.interval_s)
             await self.step()
 
+    async def first_look(self, others_known: Callable[[], bool], timeout_s: float = FIRST_LOOK_S) -> None:
+        """One look once ``others_known()`` says cards of other peers have come (at most ``timeout_s``
+        later): taken before a pinned range first loads, so that a peer which takes another's class
+        loads its range once, in that class."""
+        with trio.move_on_after(timeout_s):
+            while not others_known():
+                await trio.sleep(0.1)
+        await self.step()
+
     async def step(self) -> None:
         """Adopt the class of the first peer to follow that this peer can compute as, if any (and idle)."""
+        async with self._looking:
+            await self._look()
+
+    async def _look(self) -> None:
         own = self.own()
         if own is None or not self.idle():
             return

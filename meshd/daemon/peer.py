@@ -296,7 +296,16 @@ class Peer:
         self._serve(served)
         old.host.close()
         if cfg.layers is not None and self._nursery is not None:
+            served.load_started = True  # under way from now: nothing else starts it meanwhile
             self._nursery.start_soon(served.load, *cfg.layers)
+
+    async def _load_pinned(self, layers: tuple[int, int]) -> None:
+        """Load the range the operator pinned; a peer whose class was measured and that joins a mesh first
+        looks at the classes the peers serving the model compute in, so that its range loads once."""
+        if self.adoption is not None and self.config.bootstrap:
+            await self.adoption.first_look(lambda: len(self.control.view.cards()) > 1)
+        if self.served is not None and not self.served.load_started:
+            await self.served.load(*layers)
 
     # -- the card ----------------------------------------------------------------------------------
 
@@ -581,7 +590,7 @@ class Peer:
                         self.bound.metrics = str(metrics.with_port(metrics_port))
                     self._republish()
                     if self.served is not None and cfg.layers is not None:
-                        nursery.start_soon(self.served.load, *cfg.layers)
+                        nursery.start_soon(self._load_pinned, cfg.layers)
                     if self.joining is not None:
                         nursery.start_soon(self._join_model, self.joining)
                     await nursery.start(self.control.run, self._on_tick)
