@@ -269,8 +269,7 @@ class Peer:
 
     def _may_change_class(self) -> bool:
         """Neither loading a range nor holding sessions: nothing is lost when the shard is rebuilt."""
-        served = self.served
-        loading = served is not None and served.load_started and not (served.measured or served.error)
+        loading = self.served is not None and self.served.loading
         return not loading and self.hops.active_sessions == 0 and self.hops.queued == 0
 
     async def _class_info(self, holder: ClassHolder) -> ModelInfo:
@@ -296,16 +295,18 @@ class Peer:
         self._serve(served)
         old.host.close()
         if cfg.layers is not None and self._nursery is not None:
-            served.load_started = True  # under way from now: nothing else starts it meanwhile
+            served.load_started = True  # to load, as a pinned range is: nothing else starts it meanwhile
             self._nursery.start_soon(served.load, *cfg.layers)
 
-    async def _load_pinned(self, layers: tuple[int, int]) -> None:
-        """Load the range the operator pinned; a peer whose class was measured and that joins a mesh first
-        looks at the classes the peers serving the model compute in, so that its range loads once."""
+    async def _load(self, served: ServedModel, layers: tuple[int, int]) -> None:
+        """Load ``layers`` of ``served``, pinned or placed; a peer whose class was measured and that joins a
+        mesh first looks at the classes the peers serving the model compute in, so that its range loads
+        once: in the class it takes, if it takes one (a pinned range then loads as that class is taken, and
+        the tracker places the peer anew in its new compat key)."""
         if self.adoption is not None and self.config.bootstrap:
             await self.adoption.first_look(lambda: len(self.control.view.cards()) > 1)
-        if self.served is not None and not self.served.load_started:
-            await self.served.load(*layers)
+        if self.served is served and not served.loading and served.range is None:
+            await served.load(*layers)
 
     # -- the card ----------------------------------------------------------------------------------
 
@@ -389,7 +390,7 @@ class Peer:
         layers = self.served.accept(order)
         if layers is not None and self._nursery is not None:
             log.info("tracker %s placed layers [%d, %d) here", sender[:12], *layers)
-            self._nursery.start_soon(self.served.load, *layers)
+            self._nursery.start_soon(self._load, self.served, layers)
         return rpb.Accepted()
 
     async def _on_speed_check(self, sender: str, check: rpb.SpeedCheck) -> rpb.SpeedChecked:
@@ -590,7 +591,7 @@ class Peer:
                         self.bound.metrics = str(metrics.with_port(metrics_port))
                     self._republish()
                     if self.served is not None and cfg.layers is not None:
-                        nursery.start_soon(self._load_pinned, cfg.layers)
+                        nursery.start_soon(self._load, self.served, cfg.layers)
                     if self.joining is not None:
                         nursery.start_soon(self._join_model, self.joining)
                     await nursery.start(self.control.run, self._on_tick)

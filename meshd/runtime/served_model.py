@@ -71,7 +71,8 @@ class ServedModel:
         self.decode_tok_s = 0.0
         self.probed_prefill_tok_s = 0.0  # measured after loading; the batcher's own figure once it has one
         self.card_prefill_tok_s = 0.0  # the figure cards carry: moved only when the measured one moved clearly
-        self.load_started = False
+        self.load_started = False  # a range was ordered or pinned and is to load: no other order is taken
+        self.loading = False  # a load is running now
         self.measured = False     # loaded, checked and its speeds measured: only then does the card offer the range
         self.error = ""          # why no range is served, after a failed load or check
         self.checks: list[Check] = []
@@ -129,7 +130,13 @@ class ServedModel:
     async def load(self, start: int, end: int) -> None:
         """Load ``[start, end)``, check it, measure its decode and prefill speeds, and tell the card; a failure is
         recorded and said by the card, never raised (the peer goes on without a range)."""
-        self.load_started = True
+        self.load_started = self.loading = True
+        try:
+            await self._load(start, end)
+        finally:
+            self.loading = False
+
+    async def _load(self, start: int, end: int) -> None:
         if self.prepare is not None:
             try:
                 await self.prepare(start, end)
