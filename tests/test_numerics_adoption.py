@@ -131,6 +131,8 @@ async def test_the_watch_ends_with_its_window(autojump_clock):
         await me.adoption.run()
     me.cards.append(card(holder("a", "x", 100)))  # too late: the peer keeps its class
     assert trio.current_time() == pytest.approx(5.0) and me.held.numerics == "z"
+    await me.adoption.first_look(lambda: True)  # a range loading long after the start (placed anew) too
+    assert me.held.numerics == "z" and me.checked == []
 
 
 async def test_a_first_look_waits_for_the_cards_of_other_peers(autojump_clock):

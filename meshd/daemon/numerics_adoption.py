@@ -28,7 +28,7 @@ log = logging.getLogger("meshd.peer")
 
 ADOPTION_WINDOW_S = 120.0  # how long after starting a peer may still take another's class
 CHECK_INTERVAL_S = 1.0
-FIRST_LOOK_S = 5.0  # how long a peer with a pinned range waits for other peers' cards before loading it
+FIRST_LOOK_S = 5.0  # how long a peer waits for other peers' cards before it loads a range
 
 
 @dataclass(frozen=True)
@@ -88,25 +88,29 @@ class NumericsAdoption(Generic[T]):
         self.refused: dict[tuple[str, str], str] = {}  # (class, compat key) -> why it cannot compute here
         self.adopted: list[str] = []  # the classes taken, in turn
         self._looking = trio.Lock()  # one look at a time: two would both take the class
+        self._until: float | None = None  # the window's end (Trio's clock), once the watch runs
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._until = trio.current_time() + self.window_s
         task_status.started()
-        deadline = trio.current_time() + self.window_s
-        while trio.current_time() < deadline:
+        while trio.current_time() < self._until:
             await trio.sleep(self.interval_s)
             await self.step()
 
     async def first_look(self, others_known: Callable[[], bool], timeout_s: float = FIRST_LOOK_S) -> None:
         """One look once ``others_known()`` says cards of other peers have come (at most ``timeout_s``
-        later): taken before a pinned range first loads, so that a peer which takes another's class
-        loads its range once, in that class."""
+        later): taken before a range loads, so that a peer which takes another's class loads its range
+        once, in that class."""
         with trio.move_on_after(timeout_s):
             while not others_known():
                 await trio.sleep(0.1)
         await self.step()
 
     async def step(self) -> None:
-        """Adopt the class of the first peer to follow that this peer can compute as, if any (and idle)."""
+        """Adopt the class of the first peer to follow that this peer can compute as, if any, while idle and
+        within the window (a load long after the start, a range placed anew, moves nothing)."""
+        if self._until is not None and trio.current_time() >= self._until:
+            return
         async with self._looking:
             await self._look()
 
