@@ -17,6 +17,18 @@ ONEDNN = Numerics(torch.float32, prefill_onednn=True, decode_onednn=True, decode
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear here")
 
 
+def fail_at_layer(monkeypatch, shard, index: int) -> None:
+    """Make ``shard`` raise "kernel failed" whenever it computes layer ``index`` (until monkeypatch undoes it)."""
+    run_layer = shard._run_layer
+
+    def failing(at, *args):
+        if at == index:
+            raise RuntimeError("kernel failed")
+        return run_layer(at, *args)
+
+    monkeypatch.setattr(shard, "_run_layer", failing)
+
+
 def reference_model(model_dir: Path):
     if model_dir not in _MODELS:
         # eager attention: the unambiguous reference (sdpa would skip Gemma 2's attention soft cap)

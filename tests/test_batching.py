@@ -20,7 +20,7 @@ from meshd.runtime.numerics import TILE_ROWS, Numerics
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 from tests.archs import ARCHS
-from tests.helpers import ONEDNN, needs_onednn
+from tests.helpers import ONEDNN, fail_at_layer, needs_onednn
 
 N_LAYERS = 4
 # Prompt lengths differ so the sessions' KV lengths differ (some beyond mistral-window's window of 12).
@@ -544,7 +544,7 @@ def test_a_prefill_in_slices_with_decode_steps_between_computes_what_one_call_do
     shard = Shard(model_dir, 0, N_LAYERS, keep_logits=True, numerics=NUMERICS[numerics])
     short = shard.forward(_first("short", short_prompt, (0, N_LAYERS)))
     tokens, logits = [short.token], [short.logits]
-    run = shard.start_prefill(_first("long", long_prompt, (0, N_LAYERS)))
+    run = shard.start_prefill([_first("long", long_prompt, (0, N_LAYERS))])
     slices = 1
     while not run.advance(lambda: True):  # a slice of one layer
         step = _decode("short", tokens[-1], len(short_prompt) + len(tokens) - 1, len(tokens), (0, N_LAYERS))
@@ -552,7 +552,8 @@ def test_a_prefill_in_slices_with_decode_steps_between_computes_what_one_call_do
         tokens.append(result.token)
         logits.append(result.logits)
         slices += 1
-    first = run.finish()
+    (first,) = run.finish()
+    assert isinstance(first, StepResult)
     assert slices == N_LAYERS
     assert first.token == solo_long[0] and torch.equal(first.logits, solo_long_logits[0])
     assert all(torch.equal(a, b) for a, b in zip(logits, solo_short_logits, strict=True))
@@ -567,24 +568,17 @@ def test_a_slice_that_fails_leaves_the_session_as_it_was(tiny_model, monkeypatch
     shard = Shard(tiny_model, 0, N_LAYERS)
     chunks = list(input_bundles("s", 0, prompt, 0, 10, (0, N_LAYERS), Sampling()))
     assert shard.forward(chunks[0]).token is None
-    run_layer = shard._run_layer
-
-    def failing(index, *args):
-        if index == 2:
-            raise RuntimeError("kernel failed")
-        return run_layer(index, *args)
-
-    monkeypatch.setattr(shard, "_run_layer", failing)
-    run = shard.start_prefill(chunks[1])
+    fail_at_layer(monkeypatch, shard, 2)
+    run = shard.start_prefill([chunks[1]])
     assert not run.advance(lambda: True)  # layer 0 done
     with pytest.raises(RuntimeError, match="kernel failed"):
         run.advance(lambda: False)
     assert shard.kv.get(("s", 0)).length == 10
-    fresh = shard.start_prefill(_first("fresh", prompt, (0, N_LAYERS)))
+    fresh = shard.start_prefill([_first("fresh", prompt, (0, N_LAYERS))])
     with pytest.raises(RuntimeError, match="kernel failed"):
         fresh.advance(lambda: False)
     assert ("fresh", 0) not in shard.kv  # a session the chunk opened is gone with it
-    monkeypatch.setattr(shard, "_run_layer", run_layer)
+    monkeypatch.undo()
     assert shard.forward(chunks[1]).token is None
     first = shard.forward(chunks[2])
     assert first.token == solo[0]
@@ -600,13 +594,13 @@ class _SlicedRecorder(_Recorder):
         self.slices = slices
         self.piece_s = piece_s
 
-    async def prefill(self, bundle, pause, between):
+    async def prefill(self, bundles, pause, between):
         for i in range(self.slices):
-            self.calls.append([f"{bundle.session_id}/{i}"])
+            self.calls.append([f"{bundle.session_id}/{i}" for bundle in bundles])
             await trio.sleep(self.piece_s)
             if i < self.slices - 1 and pause():
                 await between()
-        return StepResult(token=bundle.start_position), self.slices * self.piece_s
+        return [StepResult(token=bundle.start_position) for bundle in bundles], self.slices * self.piece_s
 
 
 async def test_decode_steps_queued_during_a_prefill_run_between_its_slices(autojump_clock):

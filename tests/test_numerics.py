@@ -311,3 +311,18 @@ def test_a_burst_of_load_while_timing_does_not_change_the_choice():
     quiet = choice_under(range(0))
     assert quiet == "cpu/float32/prefill-onednn/decode-onednn-rows2-32"
     assert {start: choice_under(range(start, start + 6)) for start in range(30)} == dict.fromkeys(range(30), quiet)
+
+
+def test_onednn_prefill_is_kept_unless_torch_is_clearly_faster():
+    """oneDNN's prefill computes each row alike at any row count (prompts may then share a chunk): it is
+    chosen when faster by any amount, or slower by less than MARGIN."""
+    from meshd.runtime.numerics import MARGIN, choose
+
+    def prefill_with(dnn_s: float) -> bool:
+        return choose(Numerics(torch.float32), lambda n: dnn_s if n.prefill_onednn else 1.0, lambda n: 1.0,
+                      lambda n: 1.0, lambda n: (1, 1), onednn=True).numerics.prefill_onednn
+
+    assert prefill_with(0.9) and prefill_with(1.1) and prefill_with(0.99 * MARGIN)
+    assert not prefill_with(1.01 * MARGIN)
+    assert not choose(Numerics(torch.float32), lambda n: 0.5 if n.prefill_onednn else 1.0, lambda n: 1.0,
+                      lambda n: 1.0, lambda n: (1, 1), onednn=False).numerics.prefill_onednn

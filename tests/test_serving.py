@@ -37,6 +37,7 @@ from meshd.bench.serving import (
 from meshd.bench.workload import Prompt
 from meshd.errors import ShapeMismatch
 from meshd.runtime.numerics import default_numerics
+from tests.helpers import ONEDNN, needs_onednn
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +271,47 @@ def test_the_continuous_server_answers_each_request_with_its_own_greedy_tokens_i
         assert c.text == tokenizer.decode(_greedy(single, r.prompt.ids, r.new_tokens), skip_special_tokens=True)
     assert early.completion_tokens == 1 and len(early.token_times) == 1
     assert held == 0  # every finished request's KV is released
+
+
+@needs_onednn
+def test_the_continuous_server_computes_waiting_prompts_together_as_a_peer_does(tiny_model):
+    """In a class whose GEMM rows do not depend on the row count, prompts waiting together are computed
+    as one chunk (a chunk too long to join runs alone); each request gets the tokens it gets alone, and
+    a bad one fails alone."""
+    prompts = [[(3 * i + 5 * j) % 200 + 4 for j in range(n)] for i, n in enumerate((8, 24, PREFILL_CHUNK + 40, 17))]
+    prompts.append([7, 10**6, 9])  # a token id outside the vocabulary
+    with ContinuousServer(tiny_model, ONEDNN, 1, warm_up=False) as server:
+        assert server.shard.prefills_share_rows
+        alone = [server.serve(p, 6).text for p in prompts[:-1]]
+        server.max_batch = 8
+        server.reset_stats()
+        real = server.shard.forward_batch
+        decoding, go = threading.Event(), threading.Event()
+
+        def held(bundles):  # the first decode step waits until every other prompt is queued
+            server.shard.forward_batch = real
+            decoding.set()
+            go.wait(30)
+            return real(bundles)
+
+        server.shard.forward_batch = held
+        with ThreadPoolExecutor(max_workers=len(prompts) + 1) as pool:
+            first = pool.submit(server.serve, prompts[0], 20)
+            assert decoding.wait(30)
+            rest = [pool.submit(server.serve, p, 6) for p in prompts]
+            while len(server._queue) < len(prompts):
+                time.sleep(0.001)
+            go.set()
+            with pytest.raises(ShapeMismatch, match="token ids"):
+                rest[-1].result()
+            texts = [f.result().text for f in rest[:-1]]
+            assert first.result().completion_tokens == 20
+        runs = server.stats()["prefill_runs"]
+        assert len(server.shard.kv) == 0
+    assert texts == alone
+    # the four good prompts and the bad one waited together: the short ones went as one chunk, the long
+    # prompt's first chunk alone
+    assert runs["1"] >= 2 and max(int(k) for k in runs) >= 3
 
 
 def test_the_continuous_server_lets_a_request_join_while_another_decodes(tiny_model):

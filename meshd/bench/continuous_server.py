@@ -5,12 +5,14 @@ A static batch (:class:`~meshd.bench.batch_server.OneProcessServer`) makes a req
 while it computes wait for all of it, which is what one process gets from transformers'
 ``generate()``. This server schedules every step instead: each cycle runs one decode step of every
 running request as one batch, then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a
-layer at least), then decodes again. A peer's batcher (:mod:`meshd.runtime.batching`) slices prompts
-in the same ``PrefillRun`` pieces but may end a slice sooner, once the decode steps it expects are
-queued and the slice has computed about as long as their batch will; here a slice always runs its
-``SLICE_S``, since every running request is waiting for the next cycle. A request joins
-the batch as soon as its prompt is computed and leaves it with its last token, and a prompt stalls
-the running requests by one slice at most.
+layer at least), then decodes again. Where the shard computes prompts of several sessions as one
+(:attr:`~meshd.runtime.shard.Shard.prefills_share_rows`), the next chunks of the prompts waiting
+behind the oldest join its chunk, up to one chunk's tokens, as at a peer. A peer's batcher
+(:mod:`meshd.runtime.batching`) slices prompts in the same ``PrefillRun`` pieces but may end a slice
+sooner, once the decode steps it expects are queued and the slice has computed about as long as
+their batch will; here a slice always runs its ``SLICE_S``, since every running request is waiting
+for the next cycle. A request joins the batch as soon as its prompt is computed and leaves it with
+its last token, and a prompt stalls the running requests by one slice at most.
 
 It computes through the very :class:`~meshd.runtime.shard.Shard` a peer runs, holding every layer
 ``[0, n)``, in the peers' numerics class: the mesh's own engine on one machine, without the network,
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,6 @@ class _Request(Pending):
     session_id: str = ""
     chunked: bool = False  # its prompt has been cut into prefill bundles
     chunks: deque[Any] = field(default_factory=deque)  # prefill bundles not yet started
-    prefill: Any = None  # the PrefillRun of the chunk being computed
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
 
@@ -68,19 +69,23 @@ class ContinuousServer(ThreadedServer):
         self.numerics = numerics
         self.slice_s = slice_s
         self.prefill_slices = 0
+        self.prefill_runs: Counter[int] = Counter()  # prefill computes by how many prompts' chunks went together
         self.longest_slice_s = 0.0
         self.shard: Any = None
+        self._prefill: tuple[Any, list[tuple[_Request, Any]]] | None = None  # the run in progress, its chunks
         self._ids = itertools.count()
         super().__init__(model_dir, threads, warm_up)
 
     def reset_stats(self) -> None:
         super().reset_stats()
         self.prefill_slices = 0
+        self.prefill_runs = Counter()
         self.longest_slice_s = 0.0
 
     def stats(self) -> dict[str, Any]:
         """Its decode steps by batch size, and the prefill slices run since the last reset."""
         return super().stats() | {"prefill_slices": self.prefill_slices,
+                                  "prefill_runs": {str(k): v for k, v in sorted(self.prefill_runs.items())},
                                   "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3)}
 
     def _pending(self, prompt_ids: list[int], new_tokens: int) -> Pending:
@@ -119,52 +124,82 @@ class ContinuousServer(ThreadedServer):
                 running, prefilling = [], deque()
 
     def _cycle(self, running: list[_Request], prefilling: deque[_Request]) -> list[_Request]:
-        """One decode step of the running requests, then one prefill slice of the oldest waiting
-        prompt (a request whose prompt fails gets its error alone); the requests running after it."""
+        """One decode step of the running requests, then one prefill slice (a request whose prompt fails
+        gets its error alone); the requests running after it."""
         if running:
             running = self._decode(running)
         if not prefilling:
             return running
-        request = prefilling[0]
-        try:
-            first = self._prefill_slice(request)
-        except Exception as exc:
-            prefilling.popleft()
-            self._fail(request, exc)
-            return running
-        if first is not None:
-            prefilling.popleft()
-            if request.took(first):
+        for request, outcome in self._prefill_slice(prefilling):
+            prefilling.remove(request)
+            if isinstance(outcome, Exception):
+                self._fail(request, outcome)
+            elif request.took(outcome):
                 self._finish(request)
             else:
                 running.append(request)
         return running
 
-    def _prefill_slice(self, request: _Request) -> int | None:
-        """Compute one slice of the request's prompt; its first token once all of it is computed."""
+    def _prefill_slice(self, prefilling: deque[_Request]) -> list[tuple[_Request, int | Exception]]:
+        """Compute one slice of the prefill in progress, first starting one when none is: the oldest
+        waiting prompt's next chunk, with those of the prompts behind it that may compute with it. Each
+        request whose prompt ended with the run, and its first token or its error."""
+        if self._prefill is None:
+            try:
+                self._prefill = self._start_prefill(prefilling)
+            except Exception as exc:
+                return [(prefilling[0], exc)]
+        run, members = self._prefill
+        started = time.monotonic()
+        deadline = started + self.slice_s
+        try:
+            done = run.advance(lambda: time.monotonic() >= deadline)
+        except Exception as exc:  # the run undid itself: every prompt in it fails
+            self._prefill = None
+            return [(request, exc) for request, _ in members]
+        finally:
+            self.prefill_slices += 1
+            self.longest_slice_s = max(self.longest_slice_s, time.monotonic() - started)
+        if not done:
+            return []
+        self._prefill = None
+        ended: list[tuple[_Request, int | Exception]] = []
+        for (request, _), outcome in zip(members, run.finish(), strict=True):
+            if isinstance(outcome, Exception):
+                ended.append((request, outcome))
+            elif request.chunks:
+                continue
+            elif outcome.token is None:
+                ended.append((request, RuntimeError(f"the prefill of {request.session_id} gave no token")))
+            else:
+                ended.append((request, int(outcome.token)))
+        return ended
+
+    def _start_prefill(self, prefilling: deque[_Request]) -> tuple[Any, list[tuple[_Request, Any]]]:
         from meshd.runtime.chain import input_bundles
         from meshd.wire.bundle import Sampling
 
-        if request.prefill is None:
-            if not request.chunked:  # its first slice
+        joint = PREFILL_CHUNK if self.shard.prefills_share_rows else 0
+        members: list[tuple[_Request, Any]] = []
+        tokens = 0
+        for request in prefilling:
+            if not request.chunked:
                 request.chunked = True
                 request.chunks.extend(input_bundles(request.session_id, 0, request.prompt_ids, 0, PREFILL_CHUNK,
                                                     (0, self.shard.spec.n_layers), Sampling()))
-            request.prefill = self.shard.start_prefill(request.chunks.popleft())
-        started = time.monotonic()
-        deadline = started + self.slice_s
-        done = request.prefill.advance(lambda: time.monotonic() >= deadline)
-        self.prefill_slices += 1
-        self.longest_slice_s = max(self.longest_slice_s, time.monotonic() - started)
-        if not done:
-            return None
-        result = request.prefill.finish()
-        request.prefill = None
-        if request.chunks:
-            return None
-        if result.token is None:
-            raise RuntimeError(f"the prefill of {request.session_id} gave no token")
-        return int(result.token)
+            size = request.chunks[0].token_count
+            if members and tokens + size > joint:
+                continue
+            members.append((request, request.chunks.popleft()))
+            tokens += size
+        try:
+            run = self.shard.start_prefill([bundle for _, bundle in members])
+            self.prefill_runs[len(members)] += 1
+            return run, members
+        except Exception:
+            for request, bundle in members:
+                request.chunks.appendleft(bundle)
+            raise
 
     def _decode(self, running: list[_Request]) -> list[_Request]:
         """One decode step of every running request as one batch; the requests still running after it."""
@@ -193,10 +228,14 @@ class ContinuousServer(ThreadedServer):
         request.future.set_result((tuple(request.times), tuple(request.tokens)))
 
     def _fail(self, request: _Request, exc: BaseException) -> None:
-        """The request's client hears of ``exc``; its KV goes, and every other request keeps running."""
-        if request.prefill is not None:
-            request.prefill.abort()
-            request.prefill = None
+        """The request's client hears of ``exc``; its KV goes, and every other request keeps running (a
+        prefill it was computed in is undone, and the others' chunks run again)."""
+        if self._prefill is not None and any(r is request for r, _ in self._prefill[1]):
+            run, members = self._prefill
+            self._prefill = None
+            run.abort()
+            for member, bundle in members:
+                member.chunks.appendleft(bundle)
         if self.shard is not None:
             self.shard.release(request.session_id, 0)
         if not request.future.done():

@@ -5,7 +5,9 @@ them: a session's result would then depend on the other sessions' lengths (paddi
 reduction the kernel does). So the step's cache (:class:`DecodeRows`) hands each session's own keys
 and values to this attention function, which runs the family's attention once per session with
 that session's exact key length, the same call whether the session is alone or one of many. Prefill
-chunks (one session) go straight through.
+chunks of several sessions computed as one (:class:`PrefillSegments`) are split the same way: each
+session's queries attend over its own keys in the call its chunk alone would make. A lone prefill
+chunk goes straight through.
 
 The function is registered with transformers' ``AttentionInterface`` as ``meshd``; a shard's config
 names it, and ``config.meshd_attention`` says which kernel runs underneath: ``sdpa``, or the family's
@@ -68,11 +70,38 @@ class DecodeRows:
         return key_states, value_states  # placeholders: attention reads ``current``
 
 
-_ROWS: contextvars.ContextVar[DecodeRows | None] = contextvars.ContextVar("meshd_decode_rows", default=None)
+class PrefillSegments:
+    """The cache of prefill chunks of several sessions computed as one sequence: segment ``i`` is rows
+    ``bounds[i]`` to ``bounds[i + 1]``, the chunk of ``sessions[i]``. It appends each segment's keys and
+    values to its own session's cache and keeps, for the layer being computed, each session's whole
+    history, for :func:`attention` to run each segment as its chunk alone would."""
+
+    def __init__(self, sessions: list[Any], bounds: list[int],
+                 masks: dict[int | None, list[torch.Tensor | None]]) -> None:
+        self.sessions = sessions
+        self.bounds = bounds
+        self.masks = masks  # by sliding window: each segment's mask as its chunk alone has it (or None)
+        self.window: int | None = None  # set by the shard before each layer
+        self.current: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
+               **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        self.current = []
+        for i, session in enumerate(self.sessions):
+            start, end = self.bounds[i], self.bounds[i + 1]
+            # copies: a session keeps a first chunk's tensors as they are, and a view would hold every
+            # session's keys of the chunk for as long as any one of them (or a prefix kept of it) lives
+            self.current.append(session.update(key_states[..., start:end, :].clone(),
+                                               value_states[..., start:end, :].clone(), layer_idx))
+        return key_states, value_states  # placeholders: attention reads ``current``
 
 
-def decode_rows() -> contextvars.ContextVar[DecodeRows | None]:
-    """The context variable a shard sets around a decode step."""
+StepRows = DecodeRows | PrefillSegments
+_ROWS: contextvars.ContextVar[StepRows | None] = contextvars.ContextVar("meshd_step_rows", default=None)
+
+
+def step_rows() -> contextvars.ContextVar[StepRows | None]:
+    """The context variable a shard sets around a step whose rows belong to several sessions."""
     return _ROWS
 
 
@@ -106,6 +135,15 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if rows is None:  # one session (a prefill chunk): its own cache already returned its whole history
         mask = _for_kernel(kernel, attention_mask, query.shape[2], key.shape[2], query.dtype, query.device)
         return kernel(module, query, key, value, mask, **kwargs)
+    if isinstance(rows, PrefillSegments):
+        parts: list[torch.Tensor] = []
+        for i, (k, v) in enumerate(rows.current):
+            start, end = rows.bounds[i], rows.bounds[i + 1]
+            mask = _for_kernel(kernel, rows.masks[rows.window][i], end - start, k.shape[2], query.dtype,
+                               query.device)
+            out, _weights = kernel(module, query[:, :, start:end, :], k, v, mask, **kwargs)
+            parts.append(out)  # [1, rows, heads, dim]
+        return torch.cat(parts, dim=1), None
     outputs: list[torch.Tensor] = []
     masks = rows.masks[rows.window]
     for b, current in enumerate(rows.current):

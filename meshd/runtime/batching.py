@@ -6,11 +6,15 @@ shard computes, new steps queue up; when it is free again, whoever holds the tur
 - every queued decode step (one per session, oldest first, at most ``max_batch``; a step with
   drafted tokens brings a row for each) as one batched forward, whose results are handed out as
   soon as it ends;
-- then, when the holder's own step is a prompt's, the oldest queued prefill chunk, alone, computed in
+- then, when the holder's own step is a prompt's, the oldest queued prefill chunk, computed in
   *slices* (a layer at least, see :class:`meshd.runtime.shard.PrefillRun`): after each slice, the
-  decode steps queued meanwhile run as one batch before the chunk goes on. A decode step's holder
-  leaves the chunk to its own submitter, which waits next in the turn's queue, so that no decode
-  result is held up for a whole chunk because its session happened to hold the turn.
+  decode steps queued meanwhile run as one batch before the chunk goes on. Where the shard computes
+  each row of a GEMM alike at any row count (``prefill_tokens`` says how many prompt tokens may then
+  go together), the chunks of other sessions queued behind it join it, up to that many tokens in
+  all, and compute as one: prompts that arrive together are computed in one pass over the weights
+  and their sessions start decoding in one wave. A decode step's holder leaves the chunk to its
+  own submitter, which waits next in the turn's queue, so that no decode result is held up for a
+  whole chunk because its session happened to hold the turn.
 
 So a session joins the batch by having a step queued and leaves it by not having one; a decode step
 waits for at most one slice of a prefill chunk, and a prefill chunk for the decode batches of the
@@ -43,7 +47,8 @@ last step plus its period). Whether waiting pays depends on where the route's ho
 
 A batch is capped at ``max_batch`` sessions and, given ``latency_bound_s``, at the rows whose step
 the table expects within it. The decode stall a long prompt may cause here is one slice of a
-prefill chunk: ``slice_s``, or one layer of the chunk where a layer takes longer. The summary's
+prefill chunk: ``slice_s``, or one layer of the chunk where a layer takes longer (chunks computed
+together hold no more tokens than one chunk may, so their layer costs no more). The summary's
 ``decode_stall_bound_ms`` is the longest slice computed so far, and the table keeps what whole
 chunks cost by size.
 """
@@ -67,10 +72,10 @@ SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step 
 # that ran it), so that the batcher can tell a step's waiting from its computing.
 RunBatch = Callable[[Sequence[HiddenStateBundle]], Awaitable[tuple[list[StepResult | Exception], float]]]
 RunOne = Callable[[HiddenStateBundle], Awaitable[tuple[StepResult, float]]]
-# A prefill in slices: ``pause()`` (safe to call from the compute thread) says when a slice should end,
-# and ``between()`` is awaited after each slice but the last.
-RunPrefill = Callable[[HiddenStateBundle, Callable[[], bool], Callable[[], Awaitable[None]]],
-                      Awaitable[tuple[StepResult, float]]]
+# Prefill chunks of one or more sessions, computed as one in slices: ``pause()`` (safe to call from the
+# compute thread) says when a slice should end, and ``between()`` is awaited after each slice but the last.
+RunPrefill = Callable[[Sequence[HiddenStateBundle], Callable[[], bool], Callable[[], Awaitable[None]]],
+                      Awaitable[tuple[list[StepResult | Exception], float]]]
 
 
 @dataclass
@@ -80,6 +85,7 @@ class BatchStats:
     decode_batches: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    prefill_runs: dict[int, int] = field(default_factory=dict)  # prefill computes by how many chunks went together
     largest_batch: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     held_batches: int = 0  # decode batches held for sessions about to arrive
@@ -94,7 +100,9 @@ class BatchStats:
     def summary(self) -> dict:
         mean = self.decode_steps / self.decode_batches if self.decode_batches else None
         return {"decode_batches": self.decode_batches, "decode_steps": self.decode_steps,
-                "prefill_chunks": self.prefill_chunks, "largest_batch": self.largest_batch,
+                "prefill_chunks": self.prefill_chunks,
+                "prefill_runs": {str(k): v for k, v in sorted(self.prefill_runs.items())},
+                "largest_batch": self.largest_batch,
                 "mean_batch": mean, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "held_batches": self.held_batches, "held_s": round(self.held_s, 3),
                 "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3),
@@ -109,6 +117,7 @@ class BatchStats:
         self.decodes_between_slices = 0
         self.held_s = self.longest_slice_s = self.decode_compute_s = self.prefill_compute_s = 0.0
         self.batch_sizes.clear()
+        self.prefill_runs.clear()
 
 
 @dataclass
@@ -178,6 +187,7 @@ class StepBatcher:
     def __init__(self, run_batch: RunBatch, run_one: RunOne, *, max_batch: int = 16,
                  hold_factor: float = 1.0, latency_bound_s: float | None = None,
                  shared_machine: Callable[[], bool] | None = None, run_prefill: RunPrefill | None = None,
+                 prefill_tokens: Callable[[], int] | None = None,
                  slice_s: float = SLICE_S, clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -190,6 +200,8 @@ class StepBatcher:
         self._run_batch = run_batch
         self._run_one = run_one
         self._run_prefill = run_prefill  # None: prefill chunks run whole, through run_one
+        # how many prompt tokens of several sessions' chunks may compute as one (0: one chunk at a time)
+        self._prefill_tokens = prefill_tokens if prefill_tokens is not None else (lambda: 0)
         self.slice_s = slice_s
         self._clock = clock  # how a slice's compute is timed: read on the compute thread
         self._decodes_queued = 0  # batchable steps queued: read by the compute thread to end a slice
@@ -299,12 +311,13 @@ class StepBatcher:
         self.stats.held_s += trio.current_time() - started
 
     async def _cycle(self, prefill_too: bool) -> None:
-        decodes, prefill = self._take(prefill_too)
+        decodes, prefills = self._take(prefill_too)
         if decodes:
             await self._run_decodes(decodes)
-        if prefill is not None:
-            self.stats.prefill_chunks += 1
-            await self._run([prefill])
+        if prefills:
+            self.stats.prefill_chunks += len(prefills)
+            self.stats.prefill_runs[len(prefills)] = self.stats.prefill_runs.get(len(prefills), 0) + 1
+            await self._run(prefills)
 
     async def _run_decodes(self, decodes: list[_Step]) -> None:
         self.stats.decode_batches += 1
@@ -337,12 +350,16 @@ class StepBatcher:
         wanted = max(1, min(self._decodes_queued + coming, self.max_batch))
         return wanted, min(self.slice_s, self.costs.decode_s(wanted) or 0.0)
 
-    def _take(self, prefill_too: bool) -> tuple[list[_Step], _Step | None]:
+    def _take(self, prefill_too: bool) -> tuple[list[_Step], list[_Step]]:
+        """The decode steps of the next batch, and (with ``prefill_too``) the oldest prefill chunk with
+        the chunks that may compute with it."""
         decodes: list[_Step] = []
-        prefill: _Step | None = None
+        prefills: list[_Step] = []
         sessions: set[tuple[str, int]] = set()
         most = self.max_batch
         rows = 0
+        joint = self._prefill_tokens() if prefill_too and self._run_prefill is not None else 0
+        tokens = 0
         if self.latency_bound_s is not None:
             most = self.costs.rows_within(self.latency_bound_s, 4 * self.max_batch)
         for step in self._queue:
@@ -351,22 +368,23 @@ class StepBatcher:
             if step.batchable and len(decodes) < self.max_batch and (not decodes or rows + step.rows <= most):
                 decodes.append(step)
                 rows += step.rows
-            elif not step.batchable and prefill is None and prefill_too:
-                prefill = step
+            elif not step.batchable and prefill_too and (not prefills or tokens + step.rows <= joint):
+                prefills.append(step)
+                tokens += step.rows
             else:
                 continue
             sessions.add(step.key)
-        taken = decodes + ([prefill] if prefill is not None else [])
+        taken = decodes + prefills
         for step in taken:
             step.taken = True
             if step.waiting_turn is not None:
                 step.waiting_turn.cancel()
         self._queue = [s for s in self._queue if not s.taken]
         self._decodes_queued -= len(decodes)
-        return decodes, prefill
+        return decodes, prefills
 
-    async def _prefill_in_slices(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
-        """One prefill chunk through ``run_prefill``: each slice ends as :meth:`_slice_plan` says or once
+    async def _prefill_in_slices(self, bundles: list[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
+        """Prefill chunks through ``run_prefill``: each slice ends as :meth:`_slice_plan` says or once
         ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next."""
         assert self._run_prefill is not None
         clock = self._clock  # for pause(), on the compute thread, which has no Trio clock
@@ -387,7 +405,7 @@ class StepBatcher:
             began, at = clock(), trio.current_time()
             wanted, least_s = self._slice_plan()
 
-        outcome = await self._run_prefill(bundle, pause, between)
+        outcome = await self._run_prefill(bundles, pause, between)
         self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
         return outcome
 
@@ -398,9 +416,10 @@ class StepBatcher:
         try:
             with trio.CancelScope(shield=True):
                 try:
-                    if len(steps) == 1 and not steps[0].batchable and self._run_prefill is not None:
-                        result, compute_s = await self._prefill_in_slices(steps[0].bundle)
-                        outcomes: list[StepResult | BaseException] = [result]
+                    outcomes: list[StepResult | BaseException]
+                    if not steps[0].batchable and self._run_prefill is not None:
+                        results, compute_s = await self._prefill_in_slices([s.bundle for s in steps])
+                        outcomes = list(results)
                     elif len(steps) == 1:
                         result, compute_s = await self._run_one(steps[0].bundle)
                         outcomes = [result]
@@ -418,7 +437,7 @@ class StepBatcher:
             self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
         else:
             self.stats.prefill_compute_s += compute_s
-            self.costs.observe_prefill(steps[0].rows, compute_s)
+            self.costs.observe_prefill(sum(s.rows for s in steps), compute_s)
             if self._run_prefill is None:  # a chunk computed whole stalls decode for all of it
                 self.stats.longest_slice_s = max(self.stats.longest_slice_s, compute_s)
         for step, outcome in zip(steps, outcomes, strict=True):

@@ -149,7 +149,8 @@ class ShardHost:
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold,
                                    latency_bound_s=batch_latency_ms / 1000 if batch_latency_ms > 0 else None,
-                                   shared_machine=MachineShare(), run_prefill=self._run_prefill)
+                                   shared_machine=MachineShare(), run_prefill=self._run_prefill,
+                                   prefill_tokens=self._prefill_tokens)
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                                                    prefix_kv_bytes=prefix_kv_bytes,
                                                    session_ttl_s=session_ttl_s, keep_logits=keep_logits,
@@ -187,12 +188,14 @@ class ShardHost:
     async def _run_one(self, bundle: HiddenStateBundle) -> tuple[StepResult, float]:
         return await self.compute.run(self._in_turn, self.require_shard().forward, bundle)
 
-    async def _run_prefill(self, bundle: HiddenStateBundle, pause: Callable[[], bool],
-                           between: Callable[[], Awaitable[None]]) -> tuple[StepResult, float]:
-        """One prefill chunk in slices, each its own call on the compute thread and its own CPU turn;
-        ``between()`` runs after each slice but the last (the batcher's decode steps)."""
+    async def _run_prefill(self, bundles: Sequence[HiddenStateBundle], pause: Callable[[], bool],
+                           between: Callable[[], Awaitable[None]]) -> tuple[list[StepResult | Exception], float]:
+        """Prefill chunks of one or more sessions, as one, in slices: each its own call on the compute
+        thread and its own CPU turn; ``between()`` runs after each slice but the last (the batcher's
+        decode steps). Where chunks computed together fail, each is computed again on its own, so that
+        an error stays with the chunk causing it."""
         shard = self.require_shard()
-        run, computed = await self.compute.run(self._in_turn, shard.start_prefill, bundle)
+        run, computed = await self.compute.run(self._in_turn, shard.start_prefill, bundles)
         try:
             while True:
                 done, spent = await self.compute.run(self._in_turn, run.advance, pause)
@@ -200,11 +203,21 @@ class ShardHost:
                 if done:
                     break
                 await between()
-            result, spent = await self.compute.run(self._in_turn, run.finish)
-        except BaseException:
+            outcomes, spent = await self.compute.run(self._in_turn, run.finish)
+        except Exception:
             await self.compute.run(run.abort)  # a no-op once the run has ended itself
+            if len(bundles) == 1:
+                raise
+            outcomes, spent = await self.compute.run(self._in_turn, shard.prefill_each, bundles)
+        except BaseException:
+            await self.compute.run(run.abort)
             raise
-        return result, computed + spent
+        return outcomes, computed + spent
+
+    def _prefill_tokens(self) -> int:
+        """How many prompt tokens of several sessions' chunks may compute as one (0: one chunk at a time)."""
+        shard = self.shard
+        return shard.max_chunk_tokens if shard is not None and shard.prefills_share_rows else 0
 
     async def _run_batch(self, bundles: Sequence[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
         return await self.compute.run(self._in_turn, self.require_shard().forward_batch, bundles)

@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 from meshd.errors import BundleError, CacheMiss, ModelFormatError, PositionMismatch, RangeMismatch, ShapeMismatch
 from meshd.progress import progress
 from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
-from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, decode_rows
+from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, PrefillSegments, StepRows, step_rows
 from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
 from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
@@ -252,17 +252,39 @@ class Shard:
             if isinstance(result, Exception):
                 raise result
             return result
-        run = self.start_prefill(bundle)
+        run = self.start_prefill([bundle])
         run.advance(lambda: False)
-        return run.finish()
+        outcome = run.finish()[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-    def start_prefill(self, bundle: HiddenStateBundle) -> PrefillRun:
-        """A prefill chunk (or a session's first bundle) ready to compute a few layers at a time; decode
-        steps of other sessions may run between its slices (see :class:`PrefillRun`)."""
-        return PrefillRun(self, bundle)
+    def start_prefill(self, bundles: Sequence[HiddenStateBundle]) -> PrefillRun:
+        """Prefill chunks (or sessions' first bundles) ready to compute a few layers at a time, several
+        sessions' as one where :attr:`prefills_share_rows`; decode steps of other sessions may run
+        between its slices (see :class:`PrefillRun`)."""
+        if len(bundles) > 1 and not self.prefills_share_rows:
+            raise BundleError("this shard computes one prefill chunk at a time")
+        return PrefillRun(self, bundles)
 
-    def _prefill_compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> PrefillCompute:
-        return LayerwisePrefill(self, x, session, bundle)
+    def prefill_each(self, bundles: Sequence[HiddenStateBundle]) -> list[StepResult | Exception]:
+        """Each prefill chunk on its own and whole: where chunks computed as one failed, the error stays
+        with the chunk causing it."""
+        return [self._forward_or_error(bundle) for bundle in bundles]
+
+    @property
+    def prefills_share_rows(self) -> bool:
+        """Whether prefill chunks of several sessions may compute as one sequence: their linears as one
+        GEMM of all their rows, each session's attention over its own keys. Only where a GEMM computes
+        each row alike at any row count (oneDNN, :mod:`meshd.runtime.numerics`), rows are whole vector
+        blocks (:func:`rows_align`) and no expert routing picks a GEMM's rows, so that a chunk's
+        result is bit for bit what it computes alone."""
+        n = self.numerics
+        return (n.backend == "torch" and n.prefill_onednn and not n.int8 and self.batch_invariant
+                and self._linears_see_the_step)
+
+    def _prefill_compute(self, parts: Sequence[PrefillPart]) -> PrefillCompute:
+        return LayerwisePrefill(self, parts)
 
     def _kept_prefix(self, bundle: HiddenStateBundle) -> PrefixSnapshot:
         """The kept prefix the first chunk of a session continues; a cache miss when it is not kept here."""
@@ -451,7 +473,7 @@ class Shard:
         positions = positions + [positions[-1]] * padding
         masks = {w: [_decode_mask(p, w, self.device) for p in positions] for w in set(self.windows)}
         rows = DecodeRows([*sessions, *[None] * padding], masks, positions)
-        token = decode_rows().set(rows)
+        token = step_rows().set(rows)
         try:
             with self.numerics.decode(rows=len(xs) if self._linears_see_the_step else None):
                 stacked = torch.stack(xs)  # [R, 1] token ids on the head, else [R, 1, hidden]
@@ -462,7 +484,7 @@ class Shard:
                     return [hidden[r] for r in range(real)]
                 logits = self._logits(hidden)
         finally:
-            decode_rows().reset(token)
+            step_rows().reset(token)
         return [logits[r : r + 1] for r in range(real)]
 
     def _sampled(self, logits: torch.Tensor, sampling: Sampling, position: int) -> StepResult:
@@ -483,7 +505,7 @@ class Shard:
         logits = self.adapter.logits(self.config, self.lm_head(self.norm(last)))
         return logits[:, -1].float().cpu()
 
-    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | DecodeRows,
+    def _run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | StepRows,
                     masks: dict[int | None, torch.Tensor | None]) -> torch.Tensor:
         """This shard's decoder layers over ``hidden``, with rotary tables per layer type and one
         attention mask per sliding-window size."""
@@ -496,10 +518,10 @@ class Shard:
         return {t: self.adapter.position_embeddings(self.rotary, hidden, position_ids, t)
                 for t in set(self.layer_types)}
 
-    def _run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | DecodeRows,
+    def _run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: SessionKV | StepRows,
                    masks: dict[int | None, torch.Tensor | None], position_embeddings: dict[str, Any]) -> torch.Tensor:
         window = self.windows[index]
-        if isinstance(cache, DecodeRows):
+        if isinstance(cache, (DecodeRows, PrefillSegments)):
             cache.window = window
         return self.layers[index](
             hidden,
@@ -511,50 +533,83 @@ class Shard:
         )
 
 
+@dataclass
+class PrefillPart:
+    """One session's chunk in a prefill: its input (ids on the head, else hidden states), its session
+    and its bundle."""
+
+    x: torch.Tensor
+    session: SessionKV
+    bundle: HiddenStateBundle
+
+
 class PrefillCompute(Protocol):
     """A prefill's compute, done in slices: each :meth:`advance` runs at least one piece, then more
-    while ``stop()`` is false; it returns the step's result once the last piece ran, else None."""
+    while ``stop()`` is false; it returns each part's result once the last piece ran, else None."""
 
-    def advance(self, stop: Callable[[], bool]) -> StepResult | None: ...
+    def advance(self, stop: Callable[[], bool]) -> list[StepResult] | None: ...
 
 
 class LayerwisePrefill:
-    """A prefill chunk through a shard's layers, one layer a piece. Nothing is held across slices but
+    """Prefill chunks through a shard's layers, one layer a piece. Nothing is held across slices but
     tensors: every slice enters the numerics' mode itself, so a decode step run between two slices
-    computes exactly as it would alone, and the chunk's layers compute exactly as in one call."""
+    computes exactly as it would alone, and the chunks' layers compute exactly as in one call.
 
-    def __init__(self, shard: Shard, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> None:
-        self.shard, self.session, self.bundle = shard, session, bundle
-        start, n = bundle.start_position, bundle.token_count
+    Several sessions' chunks run as one sequence of all their rows, each session's attention over its
+    own keys (:class:`meshd.runtime.attention.PrefillSegments`); a lone chunk runs on its own cache."""
+
+    def __init__(self, shard: Shard, parts: Sequence[PrefillPart]) -> None:
+        self.shard, self.parts = shard, list(parts)
+        bounds = [0]
+        for part in self.parts:
+            bounds.append(bounds[-1] + part.bundle.token_count)
+        self.bounds = bounds
+        windows = set(shard.windows)
         with torch.inference_mode(), shard.numerics.prefill():
+            x = torch.cat([part.x for part in self.parts]) if len(self.parts) > 1 else self.parts[0].x
             hidden = shard.embed(x) if shard.embed is not None else x
             self.hidden = hidden.unsqueeze(0)
-            self.position_ids = torch.arange(start, start + n, dtype=torch.long, device=shard.device).unsqueeze(0)
-            self.masks = {w: _attention_mask(start, n, w, shard.device) for w in set(shard.windows)}
+            self.position_ids = torch.cat([
+                torch.arange(p.bundle.start_position, p.bundle.start_position + p.bundle.token_count,
+                             dtype=torch.long, device=shard.device) for p in self.parts]).unsqueeze(0)
+            masks = {w: [_attention_mask(p.bundle.start_position, p.bundle.token_count, w, shard.device)
+                         for p in self.parts] for w in windows}
             self.position_embeddings = shard._position_embeddings(self.hidden, self.position_ids)
+        self.segments: PrefillSegments | None = None
+        if len(self.parts) > 1:  # each segment's mask goes to attention through the cache, not the layer
+            self.segments = PrefillSegments([p.session for p in self.parts], bounds, masks)
+            self.masks: dict[int | None, torch.Tensor | None] = {w: None for w in windows}
+        else:
+            self.masks = {w: m[0] for w, m in masks.items()}
         self.next_layer = 0
 
-    def advance(self, stop: Callable[[], bool]) -> StepResult | None:
+    def advance(self, stop: Callable[[], bool]) -> list[StepResult] | None:
         shard = self.shard
-        with torch.inference_mode(), shard.numerics.prefill():
-            while self.next_layer < len(shard.layers):
-                self.hidden = shard._run_layer(self.next_layer, self.hidden, self.position_ids, self.session,
-                                               self.masks, self.position_embeddings)
-                self.next_layer += 1
-                if self.next_layer < len(shard.layers) and stop():
-                    return None
-        return self._result()
+        cache: SessionKV | PrefillSegments = self.segments if self.segments is not None else self.parts[0].session
+        token = step_rows().set(self.segments)
+        try:
+            with torch.inference_mode(), shard.numerics.prefill():
+                while self.next_layer < len(shard.layers):
+                    self.hidden = shard._run_layer(self.next_layer, self.hidden, self.position_ids, cache,
+                                                   self.masks, self.position_embeddings)
+                    self.next_layer += 1
+                    if self.next_layer < len(shard.layers) and stop():
+                        return None
+        finally:
+            step_rows().reset(token)
+        return [self._result(i) for i in range(len(self.parts))]
 
     @torch.inference_mode()
-    def _result(self) -> StepResult:
-        shard, bundle, hidden = self.shard, self.bundle, self.hidden
+    def _result(self, i: int) -> StepResult:
+        shard, part = self.shard, self.parts[i]
+        start, end = self.bounds[i], self.bounds[i + 1]
         if shard.lm_head is None:
-            return StepResult(hidden_states=hidden[0])
-        if not bundle.sample:
+            return StepResult(hidden_states=self.hidden[0, start:end])
+        if not part.bundle.sample:
             return StepResult()
         with shard.numerics.decode(rows=1):  # one row, as in a decode step: no upcast of the whole head
-            logits = shard._logits(hidden[:, -1:, :])[0]
-        return shard._sampled(logits, self.session.sampling, bundle.start_position + bundle.token_count)
+            logits = shard._logits(self.hidden[:, end - 1 : end, :])[0]
+        return shard._sampled(logits, part.session.sampling, part.bundle.start_position + part.bundle.token_count)
 
 
 class WholePrefill:
@@ -563,79 +618,125 @@ class WholePrefill:
     def __init__(self, compute: Callable[[], StepResult]) -> None:
         self._compute = compute
 
-    def advance(self, stop: Callable[[], bool]) -> StepResult | None:
-        return self._compute()
+    def advance(self, stop: Callable[[], bool]) -> list[StepResult] | None:
+        return [self._compute()]
+
+
+@dataclass
+class _Chunk:
+    """A bundle of a prefill run and what undoes it: the session's length before it, and whether the
+    run opened the session."""
+
+    slot: int
+    bundle: HiddenStateBundle
+    session: SessionKV
+    before: int
+    opened: bool
+
+    @property
+    def key(self) -> SessionKey:
+        return self.bundle.session_id, self.bundle.epoch
 
 
 class PrefillRun:
-    """One prefill bundle from its checks to its committed KV, computed in slices.
+    """Prefill bundles of one or more sessions, from their checks to their committed KV, computed as
+    one in slices.
 
-    Opening it checks the bundle and opens (or finds) its session; :meth:`advance` computes until
+    Opening it checks each bundle and opens (or finds) its session; a bundle that fails its checks
+    has its error as its outcome and the others run without it. :meth:`advance` computes until
     ``stop()`` says to pause (at least one piece each time) and says whether the compute is done;
-    :meth:`finish` commits the KV and gives the result. Any error in a slice, or :meth:`abort`,
-    leaves the session as it was before the bundle, as a failed :meth:`Shard.forward` does. Between
-    slices the shard may run other sessions' decode steps: nothing of this session changes but the
-    KV of its layers already computed, which are past its length until :meth:`finish`."""
+    :meth:`finish` commits each session's KV and gives each bundle's outcome. Any error in a slice,
+    or :meth:`abort`, leaves every session as it was before the run, as a failed
+    :meth:`Shard.forward` does. Between slices the shard may run other sessions' decode steps:
+    nothing of these sessions changes but the KV of their layers already computed, which are past
+    their lengths until :meth:`finish`."""
 
-    def __init__(self, shard: Shard, bundle: HiddenStateBundle) -> None:
-        self.shard, self.bundle = shard, bundle
-        self.key: SessionKey = (bundle.session_id, bundle.epoch)
-        self._result: StepResult | None = None
+    def __init__(self, shard: Shard, bundles: Sequence[HiddenStateBundle]) -> None:
+        self.shard = shard
+        self.outcomes: list[StepResult | Exception | None] = [None] * len(bundles)
+        self._chunks: list[_Chunk] = []
+        self._results: list[StepResult] | None = None
         self._closed = False
-        x = shard._check(bundle)
-        self.opened = bundle.start_position == 0 or bool(bundle.prefix)
+        parts: list[PrefillPart] = []
+        for slot, bundle in enumerate(bundles):
+            try:
+                if any(c.key == (bundle.session_id, bundle.epoch) for c in self._chunks):
+                    raise BundleError(f"session {bundle.session_id!r} has two chunks in one prefill")
+                x = shard._check(bundle)
+                chunk = self._open(slot, bundle)
+            except Exception as exc:
+                self.outcomes[slot] = exc
+                continue
+            self._chunks.append(chunk)
+            parts.append(PrefillPart(x, chunk.session, bundle))
+        self._compute: PrefillCompute | None = None
+        if parts:
+            try:
+                self._compute = shard._prefill_compute(parts)
+            except BaseException:
+                self.abort()
+                raise
+
+    def _open(self, slot: int, bundle: HiddenStateBundle) -> _Chunk:
+        shard, key = self.shard, (bundle.session_id, bundle.epoch)
+        opened = bundle.start_position == 0 or bool(bundle.prefix)
         if bundle.prefix:
-            self.session = shard.kv.open(self.key, bundle.sampling or Sampling(), shard._kept_prefix(bundle))
+            session = shard.kv.open(key, bundle.sampling or Sampling(), shard._kept_prefix(bundle))
         elif bundle.start_position == 0:
             if bundle.phase != Phase.PREFILL:
                 raise PositionMismatch("a session starts with a prefill bundle at position 0")
-            self.session = shard.kv.open(self.key, bundle.sampling or Sampling())
+            session = shard.kv.open(key, bundle.sampling or Sampling())
         else:
-            self.session = shard._session_at(bundle)
-        self.before = self.session.length
-        try:
-            self._compute = shard._prefill_compute(x, self.session, bundle)
-        except BaseException:
-            self.abort()
-            raise
+            session = shard._session_at(bundle)
+        return _Chunk(slot, bundle, session, session.length, opened)
 
     @property
     def done(self) -> bool:
-        return self._result is not None
+        return self._compute is None or self._results is not None
 
     def advance(self, stop: Callable[[], bool]) -> bool:
         """Compute until ``stop()`` (checked after each piece) or the end; True once the compute is done."""
         if self._closed:
             raise RuntimeError("this prefill has ended")
+        if self._compute is None:
+            return True
         try:
-            self._result = self._compute.advance(stop)
+            self._results = self._compute.advance(stop)
         except BaseException:
             self.abort()
             raise
-        return self._result is not None
+        return self._results is not None
 
-    def finish(self) -> StepResult:
-        """Commit the chunk's KV to the session and give its result."""
-        if self._result is None:
+    def finish(self) -> list[StepResult | Exception]:
+        """Commit each chunk's KV to its session and give every bundle's outcome, in order."""
+        if not self.done:
             raise RuntimeError("the prefill has not finished computing")
-        shard, bundle, key = self.shard, self.bundle, self.key
+        shard = self.shard
         self._closed = True
-        self.session.length = self.session.confirmed = self.before + bundle.token_count
-        if key not in shard.kv:  # released (client gone, hop leaving) while this step ran
-            raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
-        shard.kv.commit(key)
-        if bundle.keep_prefix:
-            shard.kv.keep_prefix(scoped_name(bundle.prefix_scope, bundle.keep_prefix), key)
-        return self._result
+        for chunk, result in zip(self._chunks, self._results or [], strict=True):
+            bundle, key = chunk.bundle, chunk.key
+            chunk.session.length = chunk.session.confirmed = chunk.before + bundle.token_count
+            try:
+                if key not in shard.kv:  # released (client gone, hop leaving) while this step ran
+                    raise CacheMiss(bundle.session_id, bundle.epoch, "released during the step")
+                shard.kv.commit(key)
+                if bundle.keep_prefix:
+                    shard.kv.keep_prefix(scoped_name(bundle.prefix_scope, bundle.keep_prefix), key)
+            except Exception as exc:
+                self.outcomes[chunk.slot] = exc
+            else:
+                self.outcomes[chunk.slot] = result
+        return self.outcomes  # type: ignore[return-value]
 
     def abort(self) -> None:
-        """Undo the chunk: the session holds what it held before it (a session it opened is released)."""
+        """Undo the chunks: each session holds what it held before (a session the run opened is released)."""
         if self._closed:
             return
         self._closed = True
-        self.session.truncate(self.before)
-        if self.opened:
-            self.shard.kv.release(self.key)
+        for chunk in self._chunks:
+            chunk.session.truncate(chunk.before)
+            if chunk.opened:
+                self.shard.kv.release(chunk.key)
 
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # config fields of mixture-of-experts models

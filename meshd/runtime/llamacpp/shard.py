@@ -11,7 +11,7 @@ of rows, so a batched step would not be guaranteed to give what each session get
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from meshd.runtime.kv import SessionKey, SessionKV
 from meshd.runtime.llamacpp.engine import EngineOptions, RangeEngine
 from meshd.runtime.llamacpp.range_file import range_file
 from meshd.runtime.loader import Checkpoint
-from meshd.runtime.shard import PrefillCompute, Shard, StepResult, WholePrefill
+from meshd.runtime.shard import PrefillCompute, PrefillPart, Shard, StepResult, WholePrefill
 from meshd.wire.bundle import HiddenStateBundle, Sampling
 
 RANGES_DIR = "llamacpp-ranges"  # range files, beside the GGUF model's link
@@ -123,8 +123,14 @@ class LlamaCppShard(Shard):
         ids = x.cpu().numpy()
         return np.asarray(quants.dequantize(self._embedding.data[ids], self._embedding.tensor_type), np.float32)
 
-    def _prefill_compute(self, x: torch.Tensor, session: SessionKV, bundle: HiddenStateBundle) -> PrefillCompute:
-        return WholePrefill(lambda: self._step(x, session, bundle))  # llama.cpp runs a chunk's layers in one call
+    @property
+    def prefills_share_rows(self) -> bool:
+        return False  # ggml's kernels choose by the batch (see _compute_decode)
+
+    def _prefill_compute(self, parts: Sequence[PrefillPart]) -> PrefillCompute:
+        (part,) = parts  # one chunk at a time: prefills_share_rows
+        # llama.cpp runs a chunk's layers in one call
+        return WholePrefill(lambda: self._step(part.x, part.session, part.bundle))
 
     def _compute_decode(self, xs: list[torch.Tensor], sessions: list[SessionKV],
                         bundles: list[HiddenStateBundle]) -> list[torch.Tensor | None]:
