@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import trio
 
 from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch, ShapeMismatch
@@ -16,7 +17,7 @@ from meshd.runtime.batching import StepBatcher
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import room_for
-from meshd.runtime.numerics import TILE_ROWS, Numerics
+from meshd.runtime.numerics import TILE_ROWS, Numerics, _Linears
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
 from tests.archs import ARCHS
@@ -115,6 +116,28 @@ def test_split_batched_decode_matches_solo(tiny_model):
         for i, result in enumerate(tail.forward_batch(seconds)):
             tokens[i].append(result.token)
     assert [tokens[i] for i in range(len(PROMPTS))] == solo
+
+
+@needs_onednn
+def test_only_linears_pass_through_the_numerics_mode_in_a_batched_step(tiny_model, monkeypatch):
+    """The mode that computes linears the numerics' way dispatches every torch call in Python; a
+    batched step's attention and KV appends run a few calls per session and layer outside it, and
+    its linears still run inside it."""
+    seen: list[object] = []
+    way = _Linears.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return way(self, func, types, args, kwargs)
+
+    shard = Shard(tiny_model, 0, N_LAYERS, numerics=ONEDNN)
+    tokens = _running(shard, 3)
+    monkeypatch.setattr(_Linears, "__torch_function__", counted)
+    steps = [_decode(f"s{i}", tokens[i], len(PROMPTS[i]), 1, (0, N_LAYERS)) for i in range(3)]
+    assert all(isinstance(r, StepResult) for r in shard.forward_batch(steps))
+    assert seen.count(F.linear) == 7 * N_LAYERS + 1  # q, k, v, o, gate, up, down a layer, and the LM head
+    assert F.scaled_dot_product_attention not in seen
+    assert torch.Tensor.__setitem__ not in seen  # the KV appends
 
 
 def _with_hidden(bundle: HiddenStateBundle, hidden: torch.Tensor) -> HiddenStateBundle:

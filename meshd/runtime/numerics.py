@@ -159,6 +159,14 @@ class Numerics:
         return way
 
 
+def without_linears() -> AbstractContextManager[object]:
+    """For code inside a step that runs no linear layer (attention over each session's own keys, KV
+    appends): torch calls there skip the numerics' function mode. Its dispatch runs in Python and
+    costs every torch call a few microseconds, and a batched step's per-session loops make many small
+    calls."""
+    return torch._C.DisableTorchFunction()
+
+
 def linears_like(numerics: Numerics | None) -> AbstractContextManager[object]:
     """The mode in which a model outside a shard (transformers' ``generate()``, one call for a prompt
     and its tokens alike) computes its linears as peers of ``numerics`` do, where theirs are not
