@@ -261,6 +261,9 @@ def format_summary(report: dict) -> str:
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "
                      f"{batches['held_batches']} held for sessions due, {batches['held_s']:.2f} s in all")
+        if batches.get("prefill_runs"):
+            runs = ", ".join(f"{chunks}: {count}" for chunks, count in batches["prefill_runs"].items())
+            lines.append(f"  hop {i} prefill computes (prompts' chunks computed together: count) {runs}")
     k = max(report["mesh_tok_s"], key=int)
     hops = report["profile"][k]["hops"]
     lines += ["", f"per hop, {k} peers (decode step means, ms; network = seam in - sender's serialize "
