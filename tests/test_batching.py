@@ -295,6 +295,10 @@ class _Recorder:
             raise ValueError("bad")
         return StepResult(token=bundle.start_position), self.delay
 
+    async def prefill(self, bundles, pause, between):
+        """Chunks computed together, as one call."""
+        return await self.batch(bundles)
+
 
 async def test_steps_waiting_together_form_one_batch_and_prefill_interleaves(autojump_clock):
     rec = _Recorder()
@@ -722,3 +726,35 @@ async def test_a_slice_does_not_wait_for_a_session_due_back_after_it(autojump_cl
     the slice pauses for the one due within it."""
     between, _ = _between_slices(await _decoding_while_a_prompt_is_computed({"a": 0.1, "b": 6.0}))
     assert ["a"] in between
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [
+    (0, [["a"], ["d"], ["p1"], ["p2"], ["p3"], ["p4"]]),
+    (16, [["a"], ["d"], ["p1", "p2"], ["p3", "p4"]]),
+    (24, [["a"], ["d"], ["p1", "p2", "p3"], ["p4"]]),
+])
+async def test_queued_chunks_join_the_oldest_up_to_the_token_budget(autojump_clock, tokens, expected):
+    """Chunks queued behind the oldest one join it while their tokens fit what the shard may compute
+    as one; the decode step queued among them runs first, and every chunk gets its own result."""
+    compute = _Recorder()
+    batcher = StepBatcher(compute.batch, compute.one, run_prefill=compute.prefill, hold_factor=0.0,
+                          prefill_tokens=lambda: tokens)
+    answered = {}
+
+    async def submit(name: str, bundle: HiddenStateBundle, delay: float) -> None:
+        await trio.sleep(delay)
+        answered[name] = ((await batcher.submit(bundle)).token, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 4), 0.0)
+        for i, name in enumerate(("p1", "d", "p2", "p3", "p4")):  # all arrive while a computes
+            bundle = _bundle(name, Phase.DECODE, 6) if name == "d" else _bundle(name, Phase.PREFILL, 10 * i, 8)
+            nursery.start_soon(submit, name, bundle, 0.1 + i / 10)
+    assert compute.calls == expected
+    assert {name: token for name, (token, _) in answered.items()} == {
+        "a": 4, "d": 6, "p1": 0, "p2": 20, "p3": 30, "p4": 40}
+    ends = [float(n) for n in range(3, len(expected) + 1) for _ in range(len(expected[n - 1]))]
+    assert [answered[name][1] for name in ("p1", "p2", "p3", "p4")] == ends
+    stats = batcher.stats.summary()
+    assert stats["prefill_chunks"] == 4
+    assert stats["prefill_runs"] == {0: {"1": 4}, 16: {"2": 2}, 24: {"1": 1, "3": 1}}[tokens]

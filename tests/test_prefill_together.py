@@ -14,11 +14,10 @@ import trio
 
 from meshd.errors import BundleError, CacheMiss, RangeMismatch
 from meshd.runtime.attention import PrefillSegments
-from meshd.runtime.batching import StepBatcher
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
 from meshd.runtime.shard import HIDDEN_STATES, Shard, StepResult
-from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
+from meshd.wire.bundle import HiddenStateBundle, Sampling
 from tests.archs import ARCHS
 from tests.helpers import ONEDNN, fail_at_layer, needs_onednn
 
@@ -186,61 +185,3 @@ async def test_a_host_computes_prompts_queued_together_as_one_and_falls_back_whe
         assert max(int(k) for k in runs) >= 2 and host.batcher.stats.prefill_chunks == 3
         assert sorted(host.require_shard().kv.keys()) == [(f"s{i}", 0) for i in range(3)]
         host.close()
-
-
-# -- the scheduler alone -----------------------------------------------------------------------------
-
-
-def _bundle(session: str, phase: Phase, position: int, tokens: int = 1) -> HiddenStateBundle:
-    return HiddenStateBundle(session_id=session, epoch=0, step=0, phase=phase, start_position=position,
-                             token_count=tokens, tensors={}, range_start=0, range_end=1)
-
-
-class _Compute:
-    """Fake compute: a call takes 1 s of Trio time; records each call's sessions."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    async def batch(self, bundles):
-        self.calls.append([b.session_id for b in bundles])
-        await trio.sleep(1.0)
-        return [StepResult(token=b.start_position) for b in bundles], 1.0
-
-    async def one(self, bundle):
-        return (await self.batch([bundle]))[0][0], 1.0
-
-    async def prefill(self, bundles, pause, between):
-        return await self.batch(bundles)
-
-
-@pytest.mark.parametrize(("tokens", "expected"), [
-    (0, [["a"], ["d"], ["p1"], ["p2"], ["p3"], ["p4"]]),
-    (16, [["a"], ["d"], ["p1", "p2"], ["p3", "p4"]]),
-    (24, [["a"], ["d"], ["p1", "p2", "p3"], ["p4"]]),
-])
-async def test_queued_chunks_join_the_oldest_up_to_the_token_budget(autojump_clock, tokens, expected):
-    """Chunks queued behind the oldest one join it while their tokens fit what the shard may compute
-    as one; the decode step queued among them runs first, and every chunk gets its own result."""
-    compute = _Compute()
-    batcher = StepBatcher(compute.batch, compute.one, run_prefill=compute.prefill, hold_factor=0.0,
-                          prefill_tokens=lambda: tokens)
-    answered = {}
-
-    async def submit(name: str, bundle: HiddenStateBundle, delay: float) -> None:
-        await trio.sleep(delay)
-        answered[name] = ((await batcher.submit(bundle)).token, trio.current_time())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(submit, "a", _bundle("a", Phase.DECODE, 4), 0.0)
-        for i, name in enumerate(("p1", "d", "p2", "p3", "p4")):  # all arrive while a computes
-            bundle = _bundle(name, Phase.DECODE, 6) if name == "d" else _bundle(name, Phase.PREFILL, 10 * i, 8)
-            nursery.start_soon(submit, name, bundle, 0.1 + i / 10)
-    assert compute.calls == expected
-    assert {name: token for name, (token, _) in answered.items()} == {
-        "a": 4, "d": 6, "p1": 0, "p2": 20, "p3": 30, "p4": 40}
-    ends = [float(n) for n in range(3, len(expected) + 1) for _ in range(len(expected[n - 1]))]
-    assert [answered[name][1] for name in ("p1", "p2", "p3", "p4")] == ends
-    stats = batcher.stats.summary()
-    assert stats["prefill_chunks"] == 4
-    assert stats["prefill_runs"] == {0: {"1": 4}, 16: {"2": 2}, 24: {"1": 1, "3": 1}}[tokens]
