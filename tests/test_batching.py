@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import trio
 
 from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch, ShapeMismatch
-from meshd.runtime.batching import StepBatcher
+from meshd.runtime.batching import PROMPT_SHARE_MAX, StepBatcher, prompt_share
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import room_for
@@ -675,26 +675,28 @@ async def test_a_decode_step_that_takes_the_turn_is_not_held_up_by_a_prefill_chu
     assert done == {"x": 1.0, "a": 2.0, "p": 6.0}
 
 
-async def _decoding_while_a_prompt_is_computed(away: dict[str, float]) -> list[list[str]]:
+async def _decoding_while_a_prompt_is_computed(away: dict[str, float], prompts: int = 1) -> list[list[str]]:
     """Sessions that decode in a loop, each away for its time between a result and its next step,
-    while a 40-piece prompt arrives; returns the calls computed."""
+    while a 40-piece prompt arrives (with ``prompts - 1`` others right behind it, which join it);
+    returns the calls computed."""
     rec = _SlicedRecorder(slices=40, piece_s=0.2)
     batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill, slice_s=3.0, hold_factor=0.0,
-                          clock=trio.current_time)
+                          clock=trio.current_time, prefill_tokens=lambda: 64 * prompts)
 
     async def decode(name: str) -> None:
-        for position in range(1, 12):
+        for position in range(1, 20):
             await batcher.submit(_bundle(name, Phase.DECODE, position))
             await trio.sleep(away[name])
 
-    async def prompt() -> None:
-        await trio.sleep(5.0)
-        await batcher.submit(_bundle("p", Phase.PREFILL, 0, 64))
+    async def prompt(name: str, at: float) -> None:
+        await trio.sleep(at)
+        await batcher.submit(_bundle(name, Phase.PREFILL, 0, 64))
 
     async with trio.open_nursery() as nursery:
         for name in away:
             nursery.start_soon(decode, name)
-        nursery.start_soon(prompt)
+        for i in range(prompts):
+            nursery.start_soon(prompt, "p" if i == 0 else f"q{i}", 5.0 + i / 1000)
     return rec.calls
 
 
@@ -719,6 +721,24 @@ async def test_a_slice_goes_on_until_every_session_due_back_within_it_has_come(a
     between, slices = _between_slices(await _decoding_while_a_prompt_is_computed({"a": 0.1, "b": 0.5}))
     assert between and all(batch == ["a", "b"] for batch in between)
     assert slices and all(5 <= pieces <= 6 for pieces in slices)  # a piece past 1 s at most
+
+
+@pytest.mark.parametrize(("prompts", "pieces"), [(2, 10), (3, 15), (6, 20)])
+async def test_prompts_computed_together_get_the_hop_per_session(autojump_clock, prompts, pieces):
+    """Several prompts computed as one against one decoding session slice as many times longer as
+    they are sessions, up to four times: seven prompts are not held to the pace one session's lone
+    steps set, and the decode stall stays bounded."""
+    calls = await _decoding_while_a_prompt_is_computed({"a": 0.1}, prompts)
+    assert all(len(call) == prompts for call in calls if call[0].startswith("p/"))  # the prompts as one
+    between, slices = _between_slices(calls)
+    assert between and all(batch == ["a"] for batch in between)
+    assert slices and all(pieces <= n <= pieces + 1 for n in slices)  # a lone prompt's are 5 (1 s)
+
+
+def test_the_share_of_prompts_together_is_per_session_and_bounded():
+    assert prompt_share(1, 1) == prompt_share(1, 8) == prompt_share(3, 8) == 1.0  # a lone prompt: even
+    assert prompt_share(2, 1) == 2.0 and prompt_share(6, 2) == 3.0
+    assert prompt_share(7, 1) == prompt_share(50, 1) == PROMPT_SHARE_MAX
 
 
 async def test_a_slice_does_not_wait_for_a_session_due_back_after_it(autojump_clock):

@@ -7,10 +7,11 @@ while it computes wait for all of it, which is what one process gets from transf
 running request as one batch, then one slice of the oldest waiting prompt's prefill (``SLICE_S``, a
 layer at least), then decodes again. Where the shard computes prompts of several sessions as one
 (:attr:`~meshd.runtime.shard.Shard.prefills_share_rows`), the next chunks of the prompts waiting
-behind the oldest join its chunk, up to one chunk's tokens, as at a peer. A peer's batcher
+behind the oldest join its chunk, up to one chunk's tokens, and their slices last longer, per
+session against the running requests, as at a peer. A peer's batcher
 (:mod:`meshd.runtime.batching`) slices prompts in the same ``PrefillRun`` pieces but may end a slice
 sooner, once the decode steps it expects are queued and the slice has computed about as long as
-their batch will; here a slice always runs its ``SLICE_S``, since every running request is waiting
+their batch will; here a slice always runs its full time, since every running request is waiting
 for the next cycle. A request joins the batch as soon as its prompt is computed and leaves it with
 its last token, and a prompt stalls the running requests by one slice at most.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.bench.batch_server import Pending, ThreadedServer
-from meshd.runtime.batching import SLICE_S
+from meshd.runtime.batching import SLICE_S, prompt_share
 from meshd.runtime.numerics import Numerics
 
 PREFILL_CHUNK = 512  # tokens per prefill chunk, as the mesh's entry cuts a prompt
@@ -130,7 +131,7 @@ class ContinuousServer(ThreadedServer):
             running = self._decode(running)
         if not prefilling:
             return running
-        for request, outcome in self._prefill_slice(prefilling):
+        for request, outcome in self._prefill_slice(prefilling, len(running)):
             prefilling.remove(request)
             if isinstance(outcome, Exception):
                 self._fail(request, outcome)
@@ -140,10 +141,11 @@ class ContinuousServer(ThreadedServer):
                 running.append(request)
         return running
 
-    def _prefill_slice(self, prefilling: deque[_Request]) -> list[tuple[_Request, int | Exception]]:
+    def _prefill_slice(self, prefilling: deque[_Request], decoding: int) -> list[tuple[_Request, int | Exception]]:
         """Compute one slice of the prefill in progress, first starting one when none is: the oldest
-        waiting prompt's next chunk, with those of the prompts behind it that may compute with it. Each
-        request whose prompt ended with the run, and its first token or its error."""
+        waiting prompt's next chunk, with those of the prompts behind it that may compute with it; it
+        lasts longer for several prompts than ``decoding`` requests, as at a peer (``prompt_share``).
+        Each request whose prompt ended with the run, and its first token or its error."""
         if self._prefill is None:
             try:
                 self._prefill = self._start_prefill(prefilling)
@@ -151,7 +153,7 @@ class ContinuousServer(ThreadedServer):
                 return [(prefilling[0], exc)]
         run, members = self._prefill
         started = time.monotonic()
-        deadline = started + self.slice_s
+        deadline = started + self.slice_s * prompt_share(len(members), decoding)
         try:
             done = run.advance(lambda: time.monotonic() >= deadline)
         except Exception as exc:  # the run undid itself: every prompt in it fails

@@ -24,8 +24,12 @@ A slice ends once the decode steps it can expect are queued here (those queued, 
 handed a result here that are due back within the slice) and it has computed about as long as their
 batch will (so that the two share the hop while both wait), and after ``slice_s`` in any case,
 which hands the machine's CPU turn (:mod:`meshd.runtime.cpu_turn`) to other peers' decode steps as
-well. Turns are taken in arrival order (a fair lock); a step already taken by an earlier turn only
-waits for its result.
+well. The hop is shared per session: prompts of several sessions computed together get as many
+times that as they are sessions against the decoding ones, up to ``PROMPT_SHARE_MAX`` times
+(:func:`prompt_share`). Seven prompts that arrive together behind one decoding session then do not
+wait for its lone steps (each costing about what a step of eight does) after every slice. Turns are
+taken in arrival order (a fair lock); a step already taken by an earlier turn only waits for its
+result.
 
 Before a decode batch starts, the turn may *hold* it for sessions that are about to arrive. Each
 decoding session comes back once per route traversal, so the batcher knows when to expect it (its
@@ -48,7 +52,8 @@ last step plus its period). Whether waiting pays depends on where the route's ho
 A batch is capped at ``max_batch`` sessions and, given ``latency_bound_s``, at the rows whose step
 the table expects within it. The decode stall a long prompt may cause here is one slice of a
 prefill chunk: ``slice_s``, or one layer of the chunk where a layer takes longer (chunks computed
-together hold no more tokens than one chunk may, so their layer costs no more). The summary's
+together hold no more tokens than one chunk may, so their layer costs no more). Prompts computed
+together may stall a decode step for ``PROMPT_SHARE_MAX`` slices' time, or one layer. The summary's
 ``decode_stall_bound_ms`` is the longest slice computed so far, and the table keeps what whole
 chunks cost by size.
 """
@@ -67,6 +72,15 @@ from meshd.wire.bundle import HiddenStateBundle, Phase
 
 PAYS = 0.9  # on a shared machine, rows are waited for when together they cost less than this share of apart
 SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step waits here
+PROMPT_SHARE_MAX = 4  # prompts computed together slice for at most this many times SLICE_S
+
+
+def prompt_share(prompts: int, decoding: int) -> float:
+    """How many times its own length a slice may run when it computes ``prompts`` sessions' chunks
+    together while ``decoding`` sessions' steps wait: the hop is shared per session, so seven prompts
+    arriving together are not held to the pace one decoding session sets (each of its lone steps costs
+    about what a step of eight does), up to ``PROMPT_SHARE_MAX``. A lone prompt shares evenly."""
+    return min(float(PROMPT_SHARE_MAX), max(1.0, prompts / max(1, decoding)))
 
 # Each returns its outcomes and how long the compute itself took, in seconds (measured on the thread
 # that ran it), so that the batcher can tell a step's waiting from its computing.
@@ -331,9 +345,10 @@ class StepBatcher:
             if rhythm is not None and step.error is None:
                 rhythm.out_since = now
 
-    def _slice_plan(self) -> tuple[int, float]:
-        """When a prefill slice starting now may pause before ``slice_s``: once this many decode steps
-        are queued, and not before it has computed this long.
+    def _slice_plan(self, prompts: int) -> tuple[int, float, float]:
+        """When a prefill slice of ``prompts`` sessions' chunks starting now may pause: once this many
+        decode steps are queued and it has computed this long, and in any case after the last time
+        (``slice_s``, longer for prompts computed together: :func:`prompt_share`).
 
         The steps are those queued and those of sessions handed a result here that are due back
         within the slice (a hop holding a whole route gets them back within milliseconds; pausing at
@@ -348,7 +363,9 @@ class StepBatcher:
             if due is not None and due <= now + self.slice_s and now - due < self.slice_s:
                 coming += 1
         wanted = max(1, min(self._decodes_queued + coming, self.max_batch))
-        return wanted, min(self.slice_s, self.costs.decode_s(wanted) or 0.0)
+        share = prompt_share(prompts, wanted)
+        longest = self.slice_s * share
+        return wanted, min(longest, (self.costs.decode_s(wanted) or 0.0) * share), longest
 
     def _take(self, prefill_too: bool) -> tuple[list[_Step], list[_Step]]:
         """The decode steps of the next batch, and (with ``prefill_too``) the oldest prefill chunk with
@@ -389,21 +406,21 @@ class StepBatcher:
         assert self._run_prefill is not None
         clock = self._clock  # for pause(), on the compute thread, which has no Trio clock
         began, at = clock(), trio.current_time()
-        wanted, least_s = self._slice_plan()
+        wanted, least_s, longest_s = self._slice_plan(len(bundles))
 
         def pause() -> bool:
             spent = clock() - began
-            return spent >= self.slice_s or (spent >= least_s and self._decodes_queued >= wanted)
+            return spent >= longest_s or (spent >= least_s and self._decodes_queued >= wanted)
 
         async def between() -> None:
-            nonlocal began, at, wanted, least_s
+            nonlocal began, at, wanted, least_s, longest_s
             self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
             decodes, _ = self._take(prefill_too=False)
             if decodes:
                 self.stats.decodes_between_slices += 1
                 await self._run_decodes(decodes)
             began, at = clock(), trio.current_time()
-            wanted, least_s = self._slice_plan()
+            wanted, least_s, longest_s = self._slice_plan(len(bundles))
 
         outcome = await self._run_prefill(bundles, pause, between)
         self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
