@@ -53,7 +53,8 @@ A batch is capped at ``max_batch`` sessions and, given ``latency_bound_s``, at t
 the table expects within it. The decode stall a long prompt may cause here is one slice of a
 prefill chunk: ``slice_s``, or one layer of the chunk where a layer takes longer (chunks computed
 together hold no more tokens than one chunk may, so their layer costs no more). Prompts computed
-together may stall a decode step for ``PROMPT_SHARE_MAX`` slices' time, or one layer. The summary's
+together may stall a decode step for ``PROMPT_SHARE_MAX`` times ``slice_s`` and the layer then in
+progress. The summary's
 ``decode_stall_bound_ms`` is the longest slice computed so far, and the table keeps what whole
 chunks cost by size.
 """
