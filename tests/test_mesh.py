@@ -252,7 +252,9 @@ def test_daemons_stop_cleanly_on_sigterm(tiny_model, tmp_path):
 def test_partial_coverage_answers_503_with_the_missing_ranges(tiny_model, tmp_path):
     with LocalMesh(tmp_path / "partial") as m:
         (peer,) = m.start_peers([dict(model=tiny_model, layers=(0, 2))])
-        m.wait_until(lambda: peer.get("/status")["range"] == [0, 2], 30, "layers loaded")
+        # the card offers a loaded range once its speeds are measured, which /status's range does not wait for
+        m.wait_until(lambda: [(h["start"], h["end"]) for model in peer.get("/models")["models"]
+                              for h in model["holders"]] == [(0, 2)], 30, "layers [0, 2) offered")
         resp = httpx.post(f"http://{peer.api}/v1/chat/completions",
                           json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 503
