@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import trio
 
 from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch, ShapeMismatch
-from meshd.runtime.batching import PROMPT_SHARE_MAX, StepBatcher, prompt_share
+from meshd.runtime.batching import PROMPT_SHARE_MAX, RESTARTS_MAX, StepBatcher, prompt_share
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import room_for
@@ -778,3 +778,68 @@ async def test_queued_chunks_join_the_oldest_up_to_the_token_budget(autojump_clo
     stats = batcher.stats.summary()
     assert stats["prefill_chunks"] == 4
     assert stats["prefill_runs"] == {0: {"1": 4}, 16: {"2": 2}, 24: {"1": 1, "3": 1}}[tokens]
+
+
+class _RestartingRecorder(_SlicedRecorder):
+    """Sliced fake compute that starts again from its first piece, with them, when ``between()`` hands
+    it chunks to take in, as a host's prefill run does."""
+
+    async def prefill(self, bundles, pause, between):
+        bundles, i = list(bundles), 0
+        while i < self.slices:
+            self.calls.append([f"{bundle.session_id}/{i}" for bundle in bundles])
+            await trio.sleep(self.piece_s)
+            i += 1
+            if i < self.slices and pause():
+                joining = await between()
+                if joining:
+                    bundles, i = bundles + list(joining), 0
+        return [StepResult(token=bundle.start_position) for bundle in bundles], self.slices * self.piece_s
+
+
+async def _prompts_arriving(at: dict[str, float], tokens: int = 64, slice_s: float = 1.0,
+                            budget: int = 256) -> tuple[list[list[str]], dict[str, float], StepBatcher]:
+    """Prompts of ``tokens`` tokens arriving at the given times at a batcher computing each prefill run in
+    5 pieces of 0.2 s; the calls, when each prompt got its result, and the batcher."""
+    rec = _RestartingRecorder(slices=5, piece_s=0.2)
+    batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill, slice_s=slice_s, hold_factor=0.0,
+                          clock=trio.current_time, prefill_tokens=lambda: budget)
+    done: dict[str, float] = {}
+
+    async def prompt(name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        assert (await batcher.submit(_bundle(name, Phase.PREFILL, 0, tokens))).token == 0
+        done[name] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        for name, delay in at.items():
+            nursery.start_soon(prompt, name, delay)
+    return rec.calls, done, batcher
+
+
+async def test_prompts_queued_within_a_runs_first_slice_are_taken_in_and_computed_with_it(autojump_clock):
+    """A prompt computing alone starts again with the prompts that queue behind it within its first
+    slice (counted from each start), so that all are computed in one pass and answered together; one
+    queued later waits for the run to end, and is computed on its own."""
+    calls, done, batcher = await _prompts_arriving({"a": 0.0, "b": 0.1, "c": 0.5, "late": 2.0})
+    # b is taken in after a's first piece, c two pieces into the second start; then the run goes through
+    assert calls[:4] == [["a/0"], ["a/0", "b/0"], ["a/1", "b/1"], ["a/0", "b/0", "c/0"]]
+    assert calls[7] == ["a/4", "b/4", "c/4"] and calls[8:] == [[f"late/{i}"] for i in range(5)]
+    assert done == {"a": pytest.approx(1.6), "b": pytest.approx(1.6), "c": pytest.approx(1.6),
+                    "late": pytest.approx(3.0)}
+    stats = batcher.stats.summary()
+    assert stats["prefill_restarts"] == 2 and stats["prefill_runs"] == {"1": 1, "3": 1}
+    assert stats["prefill_chunks"] == 4 and batcher.waiting == 0
+
+
+async def test_a_prefill_run_takes_in_only_what_fits_and_starts_again_a_bounded_number_of_times(autojump_clock):
+    """Chunks beyond the tokens the shard computes as one are not taken in, and a run starts again at
+    most ``RESTARTS_MAX`` times, however many prompts trickle in within its slices."""
+    calls, _done, batcher = await _prompts_arriving({"a": 0.0, "b": 0.1, "third": 0.15}, budget=128)
+    assert calls[1] == ["a/0", "b/0"] and ["third/0"] in calls  # 64 + 64 fit; 64 more do not
+    assert batcher.stats.prefill_runs == {2: 1, 1: 1} and batcher.stats.prefill_restarts == 1
+
+    trickle = {f"p{i}": 0.1 + 0.2 * i for i in range(6)}
+    _calls, _done, batcher = await _prompts_arriving({"a": 0.0, **trickle}, tokens=8, slice_s=10.0)
+    assert batcher.stats.prefill_restarts == RESTARTS_MAX
+    assert batcher.stats.prefill_chunks == 7 and batcher.waiting == 0

@@ -63,6 +63,7 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert len(report["batches"]) == 2 and all(b["decode_steps"] > 0 for b in report["batches"])
     assert all(sum(b["prefill_runs"].values()) > 0 for b in report["batches"])
     assert "hop 1 prefill computes (prompts' chunks computed together: count) " in run.stdout
+    assert f"{report['batches'][1]['prefill_restarts']} started again to take in prompts" in run.stdout
     assert set(report["compute_share"]) == {"1", "2"}
     for share in report["compute_share"].values():
         assert len(share["hops"]) == 2 and all(v > 0 for v in share["hops"]) and share["decode"] > 0

@@ -8,6 +8,8 @@ it read, the hidden states a split hands on), and check what a chunk that fails 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import trio
@@ -185,3 +187,44 @@ async def test_a_host_computes_prompts_queued_together_as_one_and_falls_back_whe
         assert max(int(k) for k in runs) >= 2 and host.batcher.stats.prefill_chunks == 3
         assert sorted(host.require_shard().kv.keys()) == [(f"s{i}", 0) for i in range(3)]
         host.close()
+
+
+@needs_onednn
+async def test_a_host_takes_prompts_queued_behind_a_young_prefill_run_into_it(adapter_models, monkeypatch):
+    """A prompt's run, computing alone, starts again with the prompts that queue behind it during its
+    first layer: what the first start computed is undone, and every session gets its solo first token
+    and holds exactly its own prompt's KV."""
+    model_dir = adapter_models["llama"]
+    solo = [int(_solo(model_dir, p)[0].argmax()) for p in PROMPTS[:3]]
+    host = ShardHost(model_dir, numerics=ONEDNN)
+    await host.load(0, N_LAYERS)
+    host.batcher.slice_s = 30.0  # the join window outlasts the wait below
+    shard = host.require_shard()
+    others_queued = threading.Event()
+    run_layer = shard._run_layer
+
+    def gated(index, hidden, position_ids, cache, *args):
+        others_queued.wait(30)  # the lone prompt's first layer waits until the others have queued
+        return run_layer(index, hidden, position_ids, cache, *args)
+
+    monkeypatch.setattr(shard, "_run_layer", gated)
+    tokens: dict[int, int | None] = {}
+
+    async def prompt(i: int) -> None:
+        tokens[i] = (await host.forward(_chunks(f"s{i}", PROMPTS[i])[0])).token
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prompt, 0)
+        while not host.batcher.stats.prefill_chunks:  # s0's run has started
+            await trio.sleep(0.01)
+        nursery.start_soon(prompt, 1)
+        nursery.start_soon(prompt, 2)
+        while host.batcher.waiting < 2:
+            await trio.sleep(0.01)
+        others_queued.set()
+    assert [tokens[i] for i in range(3)] == solo
+    stats = host.batcher.stats.summary()
+    assert stats["prefill_restarts"] == 1 and stats["prefill_runs"] == {"3": 1}
+    assert [(key, shard.kv.get(key).length) for key in sorted(shard.kv.keys())] == [
+        ((f"s{i}", 0), len(PROMPTS[i])) for i in range(3)]
+    host.close()

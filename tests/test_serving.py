@@ -314,6 +314,39 @@ def test_the_continuous_server_computes_waiting_prompts_together_as_a_peer_does(
     assert runs["1"] >= 2 and max(int(k) for k in runs) >= 3
 
 
+@needs_onednn
+def test_the_continuous_server_takes_prompts_arriving_during_a_runs_first_slice_into_it(tiny_model):
+    """A prompt computing alone starts again with the prompts that arrive during its first slice, as at
+    a peer: one run computes all of them, and each request gets the tokens it gets alone."""
+    prompts = [[(3 * i + 5 * j) % 200 + 4 for j in range(n)] for i, n in enumerate((8, 24, 17))]
+    with ContinuousServer(tiny_model, ONEDNN, 1, warm_up=False) as server:
+        alone = [server.serve(p, 6).text for p in prompts]
+        server.reset_stats()
+        server.max_batch = 8
+        server.slice_s = 1e-9  # a layer a slice
+        run_layer = server.shard._run_layer
+        queued = threading.Event()
+
+        def gated(*args):  # the lone prompt's first layer waits until the others are queued
+            queued.wait(30)
+            return run_layer(*args)
+
+        server.shard._run_layer = gated
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            first = pool.submit(server.serve, prompts[0], 6)
+            while server.stats()["prefill_runs"] != {"1": 1}:  # its run has started
+                time.sleep(0.001)
+            rest = [pool.submit(server.serve, p, 6) for p in prompts[1:]]
+            while len(server._queue) < len(rest):
+                time.sleep(0.001)
+            queued.set()
+            texts = [f.result().text for f in (first, *rest)]
+        stats = server.stats()
+        assert len(server.shard.kv) == 0
+    assert texts == alone
+    assert stats["prefill_runs"] == {"3": 1} and stats["prefill_restarts"] == 1
+
+
 def test_the_continuous_server_lets_a_request_join_while_another_decodes(tiny_model):
     with ContinuousServer(tiny_model, default_numerics(torch.float32, "cpu"), 1) as server:
         server.max_batch = 2

@@ -8,7 +8,8 @@ running request as one batch, then one slice of the oldest waiting prompt's pref
 layer at least), then decodes again. Where the shard computes prompts of several sessions as one
 (:attr:`~meshd.runtime.shard.Shard.prefills_share_rows`), the next chunks of the prompts waiting
 behind the oldest join its chunk, up to one chunk's tokens, and their slices last longer, per
-session against the running requests, as at a peer. A peer's batcher
+session against the running requests, as at a peer. A run whose first slice saw more prompts arrive
+that may compute with it starts again with them, as at a peer, up to ``RESTARTS_MAX`` times. A peer's batcher
 (:mod:`meshd.runtime.batching`) slices prompts in the same ``PrefillRun`` pieces but may end a slice
 sooner, once the decode steps it expects are queued and the slice has computed about as long as
 their batch will; here a slice always runs its full time, since every running request is waiting
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.bench.batch_server import Pending, ThreadedServer
-from meshd.runtime.batching import SLICE_S, prompt_share
+from meshd.runtime.batching import RESTARTS_MAX, SLICE_S, prompt_share
 from meshd.runtime.numerics import Numerics
 
 PREFILL_CHUNK = 512  # tokens per prefill chunk, as the mesh's entry cuts a prompt
@@ -71,9 +72,12 @@ class ContinuousServer(ThreadedServer):
         self.slice_s = slice_s
         self.prefill_slices = 0
         self.prefill_runs: Counter[int] = Counter()  # prefill computes by how many prompts' chunks went together
+        self.prefill_restarts = 0
         self.longest_slice_s = 0.0
         self.shard: Any = None
         self._prefill: tuple[Any, list[tuple[_Request, Any]]] | None = None  # the run in progress, its chunks
+        self._restarts = 0  # how often the run in progress started again to take in prompts
+        self._slices = 0  # slices computed since the run in progress (re)started
         self._ids = itertools.count()
         super().__init__(model_dir, threads, warm_up)
 
@@ -81,12 +85,14 @@ class ContinuousServer(ThreadedServer):
         super().reset_stats()
         self.prefill_slices = 0
         self.prefill_runs = Counter()
+        self.prefill_restarts = 0
         self.longest_slice_s = 0.0
 
     def stats(self) -> dict[str, Any]:
         """Its decode steps by batch size, and the prefill slices run since the last reset."""
         return super().stats() | {"prefill_slices": self.prefill_slices,
                                   "prefill_runs": {str(k): v for k, v in sorted(self.prefill_runs.items())},
+                                  "prefill_restarts": self.prefill_restarts,
                                   "decode_stall_bound_ms": round(self.longest_slice_s * 1000, 3)}
 
     def _pending(self, prompt_ids: list[int], new_tokens: int) -> Pending:
@@ -146,11 +152,14 @@ class ContinuousServer(ThreadedServer):
         waiting prompt's next chunk, with those of the prompts behind it that may compute with it; it
         lasts longer for several prompts than ``decoding`` requests, as at a peer (``prompt_share``).
         Each request whose prompt ended with the run, and its first token or its error."""
-        if self._prefill is None:
-            try:
+        try:
+            if self._prefill is None:
                 self._prefill = self._start_prefill(prefilling)
-            except Exception as exc:
-                return [(prefilling[0], exc)]
+                self._restarts = self._slices = 0
+            elif self._slices == 1 and self._restarts < RESTARTS_MAX and self._may_join(prefilling, self._prefill[1]):
+                self._restart(prefilling)  # prompts admitted during its first slice
+        except Exception as exc:
+            return [(prefilling[0], exc)]
         run, members = self._prefill
         started = time.monotonic()
         deadline = started + self.slice_s * prompt_share(len(members), decoding)
@@ -160,6 +169,7 @@ class ContinuousServer(ThreadedServer):
             self._prefill = None
             return [(request, exc) for request, _ in members]
         finally:
+            self._slices += 1
             self.prefill_slices += 1
             self.longest_slice_s = max(self.longest_slice_s, time.monotonic() - started)
         if not done:
@@ -176,6 +186,36 @@ class ContinuousServer(ThreadedServer):
             else:
                 ended.append((request, int(outcome.token)))
         return ended
+
+    def _may_join(self, prefilling: deque[_Request], members: list[tuple[_Request, Any]]) -> bool:
+        """Whether a prompt waiting behind the run's may compute with it: the shard computes prompts as
+        one, and its next chunk fits what a run may hold."""
+        if not self.shard.prefills_share_rows:
+            return False
+        tokens = sum(bundle.token_count for _, bundle in members)
+        inside = {id(request) for request, _ in members}
+        for request in prefilling:
+            if id(request) in inside:
+                continue
+            size = request.chunks[0].token_count if request.chunked else min(len(request.prompt_ids), PREFILL_CHUNK)
+            if tokens + size <= PREFILL_CHUNK:
+                return True
+        return False
+
+    def _restart(self, prefilling: deque[_Request]) -> None:
+        """Undo the run in progress and start it again with the prompts waiting that may join it."""
+        assert self._prefill is not None
+        run, members = self._prefill
+        run.abort()
+        for request, bundle in reversed(members):
+            request.chunks.appendleft(bundle)
+        self.prefill_runs[len(members)] -= 1
+        self.prefill_runs += Counter()  # drops the count that went to zero
+        self._prefill = None
+        self._prefill = self._start_prefill(prefilling)
+        self._restarts += 1
+        self._slices = 0
+        self.prefill_restarts += 1
 
     def _start_prefill(self, prefilling: deque[_Request]) -> tuple[Any, list[tuple[_Request, Any]]]:
         from meshd.runtime.chain import input_bundles

@@ -263,7 +263,8 @@ def format_summary(report: dict) -> str:
                      f"{batches['held_batches']} held for sessions due, {batches['held_s']:.2f} s in all")
         if batches.get("prefill_runs"):
             runs = ", ".join(f"{chunks}: {count}" for chunks, count in batches["prefill_runs"].items())
-            lines.append(f"  hop {i} prefill computes (prompts' chunks computed together: count) {runs}")
+            lines.append(f"  hop {i} prefill computes (prompts' chunks computed together: count) {runs}; "
+                         f"{batches.get('prefill_restarts', 0)} started again to take in prompts queued behind them")
     k = max(report["mesh_tok_s"], key=int)
     hops = report["profile"][k]["hops"]
     lines += ["", f"per hop, {k} peers (decode step means, ms; network = seam in - sender's serialize "

@@ -14,7 +14,11 @@ shard computes, new steps queue up; when it is free again, whoever holds the tur
   all, and compute as one: prompts that arrive together are computed in one pass over the weights
   and their sessions start decoding in one wave. A decode step's holder leaves the chunk to its
   own submitter, which waits next in the turn's queue, so that no decode result is held up for a
-  whole chunk because its session happened to hold the turn.
+  whole chunk because its session happened to hold the turn. Chunks that queue within the first
+  ``slice_s`` after the run starts are taken in too: it starts again with them (what it computed is
+  undone), up to ``RESTARTS_MAX`` times, so that a burst of requests, whose prompts reach the hop a
+  few milliseconds apart, is computed in one pass rather than the first prompt alone and the rest
+  after it.
 
 So a session joins the batch by having a step queued and leaves it by not having one; a decode step
 waits for at most one slice of a prefill chunk, and a prefill chunk for the decode batches of the
@@ -74,6 +78,7 @@ from meshd.wire.bundle import HiddenStateBundle, Phase
 PAYS = 0.9  # on a shared machine, rows are waited for when together they cost less than this share of apart
 SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step waits here
 PROMPT_SHARE_MAX = 4  # prompts computed together slice for at most this many times SLICE_S
+RESTARTS_MAX = 3  # a prefill run starts again at most this many times to take in chunks queued behind it
 
 
 def prompt_share(prompts: int, decoding: int) -> float:
@@ -89,7 +94,10 @@ RunBatch = Callable[[Sequence[HiddenStateBundle]], Awaitable[tuple[list[StepResu
 RunOne = Callable[[HiddenStateBundle], Awaitable[tuple[StepResult, float]]]
 # Prefill chunks of one or more sessions, computed as one in slices: ``pause()`` (safe to call from the
 # compute thread) says when a slice should end, and ``between()`` is awaited after each slice but the last.
-RunPrefill = Callable[[Sequence[HiddenStateBundle], Callable[[], bool], Callable[[], Awaitable[None]]],
+# ``between()`` may return chunks to take in: the run then starts again with them, the computed slices
+# undone, and the outcomes come for every chunk, in the order given and then taken in.
+RunPrefill = Callable[[Sequence[HiddenStateBundle], Callable[[], bool],
+                       Callable[[], Awaitable[Sequence[HiddenStateBundle]]]],
                       Awaitable[tuple[list[StepResult | Exception], float]]]
 
 
@@ -101,6 +109,7 @@ class BatchStats:
     decode_steps: int = 0
     prefill_chunks: int = 0
     prefill_runs: dict[int, int] = field(default_factory=dict)  # prefill computes by how many chunks went together
+    prefill_restarts: int = 0  # prefill runs started again to take in chunks queued within their first slice
     largest_batch: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     held_batches: int = 0  # decode batches held for sessions about to arrive
@@ -117,6 +126,7 @@ class BatchStats:
         return {"decode_batches": self.decode_batches, "decode_steps": self.decode_steps,
                 "prefill_chunks": self.prefill_chunks,
                 "prefill_runs": {str(k): v for k, v in sorted(self.prefill_runs.items())},
+                "prefill_restarts": self.prefill_restarts,
                 "largest_batch": self.largest_batch,
                 "mean_batch": mean, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "held_batches": self.held_batches, "held_s": round(self.held_s, 3),
@@ -129,7 +139,7 @@ class BatchStats:
     def reset(self) -> None:
         """Zero the counts; the cost table is knowledge, not a count, and stays."""
         self.decode_batches = self.decode_steps = self.prefill_chunks = self.largest_batch = self.held_batches = 0
-        self.decodes_between_slices = 0
+        self.decodes_between_slices = self.prefill_restarts = 0
         self.held_s = self.longest_slice_s = self.decode_compute_s = self.prefill_compute_s = 0.0
         self.batch_sizes.clear()
         self.prefill_runs.clear()
@@ -220,6 +230,7 @@ class StepBatcher:
         self.slice_s = slice_s
         self._clock = clock  # how a slice's compute is timed: read on the compute thread
         self._decodes_queued = 0  # batchable steps queued: read by the compute thread to end a slice
+        self._prompts_queued = 0  # ... and the others (prefill chunks): a young run pauses to take them in
         self.max_batch = max_batch
         self.hold_factor = hold_factor
         self.latency_bound_s = latency_bound_s
@@ -249,6 +260,8 @@ class StepBatcher:
         if step.batchable:
             self._rhythm.setdefault(step.key, _Rhythm()).arrived(step.submitted)
             self._decodes_queued += 1
+        else:
+            self._prompts_queued += 1
         self._arrived.set()
         self._arrived = trio.Event()
         try:
@@ -268,6 +281,7 @@ class StepBatcher:
             if not step.taken:
                 self._queue.remove(step)
                 self._decodes_queued -= step.batchable
+                self._prompts_queued -= not step.batchable
             raise
         await step.done.wait()
         if step.error is not None:
@@ -331,8 +345,14 @@ class StepBatcher:
             await self._run_decodes(decodes)
         if prefills:
             self.stats.prefill_chunks += len(prefills)
-            self.stats.prefill_runs[len(prefills)] = self.stats.prefill_runs.get(len(prefills), 0) + 1
+            self._count_run(len(prefills), +1)
             await self._run(prefills)
+
+    def _count_run(self, chunks: int, change: int) -> None:
+        runs = self.stats.prefill_runs
+        runs[chunks] = runs.get(chunks, 0) + change
+        if not runs[chunks]:
+            del runs[chunks]
 
     async def _run_decodes(self, decodes: list[_Step]) -> None:
         self.stats.decode_batches += 1
@@ -392,38 +412,92 @@ class StepBatcher:
             else:
                 continue
             sessions.add(step.key)
-        taken = decodes + prefills
+        self._mark_taken(decodes + prefills)
+        return decodes, prefills
+
+    def _joining(self, steps: list[_Step]) -> list[_Step]:
+        """The prefill chunks queued that may compute with ``steps`` (other sessions', while their tokens
+        fit what the shard computes as one), taken."""
+        sessions = {s.key for s in steps}
+        tokens = sum(s.rows for s in steps)
+        joint = self._prefill_tokens() if self._run_prefill is not None else 0
+        joining: list[_Step] = []
+        for step in self._queue:
+            if step.batchable or step.key in sessions or tokens + step.rows > joint:
+                continue
+            joining.append(step)
+            sessions.add(step.key)
+            tokens += step.rows
+        self._mark_taken(joining)
+        return joining
+
+    def _mark_taken(self, taken: list[_Step]) -> None:
         for step in taken:
             step.taken = True
             if step.waiting_turn is not None:
                 step.waiting_turn.cancel()
         self._queue = [s for s in self._queue if not s.taken]
-        self._decodes_queued -= len(decodes)
-        return decodes, prefills
+        self._decodes_queued -= sum(s.batchable for s in taken)
+        self._prompts_queued -= sum(not s.batchable for s in taken)
 
-    async def _prefill_in_slices(self, bundles: list[HiddenStateBundle]) -> tuple[list[StepResult | Exception], float]:
+    async def _prefill_in_slices(self, steps: list[_Step]) -> tuple[list[StepResult | Exception], float]:
         """Prefill chunks through ``run_prefill``: each slice ends as :meth:`_slice_plan` says or once
-        ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next."""
+        ``slice_s`` has passed, and the decode steps queued by then run as one batch before the next.
+
+        Within the first ``slice_s`` of the run, a slice also ends when another prompt's chunk queues that
+        may compute with it, and the run starts again with the chunks queued by then taken in (``steps``
+        grows), up to ``RESTARTS_MAX`` times: prompts that arrive within milliseconds of each other (a
+        burst of requests, each through its own entry work) are computed in one pass and decode in one
+        wave, rather than the first alone and ahead of the rest for its whole prefill. Each start throws
+        away what it computed, at most one slice (and the layer then in progress)."""
         assert self._run_prefill is not None
         clock = self._clock  # for pause(), on the compute thread, which has no Trio clock
         began, at = clock(), trio.current_time()
-        wanted, least_s, longest_s = self._slice_plan(len(bundles))
+        restarts = 0
+
+        def join_window() -> float:
+            """Until when chunks of other prompts may still be taken in (the run starting again)."""
+            room = self._prefill_tokens() - sum(s.rows for s in steps)
+            return began + self.slice_s if room > 0 and restarts < RESTARTS_MAX else began
+
+        joins_until = join_window()
+        take_in = False  # the slice ended for chunks to take in
+        joinable = self._prompts_queued  # those queued now did not fit, or are of these sessions
+        wanted, least_s, longest_s = self._slice_plan(len(steps))
 
         def pause() -> bool:
-            spent = clock() - began
+            nonlocal take_in
+            now = clock()
+            spent = now - began
+            if now < joins_until and self._prompts_queued > joinable:
+                take_in = True
+                return True
             return spent >= longest_s or (spent >= least_s and self._decodes_queued >= wanted)
 
-        async def between() -> None:
-            nonlocal began, at, wanted, least_s, longest_s
+        async def between() -> list[HiddenStateBundle]:
+            nonlocal began, at, wanted, least_s, longest_s, joinable, joins_until, restarts, take_in
             self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
             decodes, _ = self._take(prefill_too=False)
             if decodes:
                 self.stats.decodes_between_slices += 1
                 await self._run_decodes(decodes)
+            joining = self._joining(steps) if take_in else []
+            take_in = False
+            joinable = self._prompts_queued
+            if joining:
+                restarts += 1
+                self.stats.prefill_restarts += 1
+                self.stats.prefill_chunks += len(joining)
+                self._count_run(len(steps), -1)
+                self._count_run(len(steps) + len(joining), +1)
+                steps.extend(joining)
             began, at = clock(), trio.current_time()
-            wanted, least_s, longest_s = self._slice_plan(len(bundles))
+            if joining:
+                joins_until = join_window()
+            wanted, least_s, longest_s = self._slice_plan(len(steps))
+            return [s.bundle for s in joining]
 
-        outcome = await self._run_prefill(bundles, pause, between)
+        outcome = await self._run_prefill([s.bundle for s in steps], pause, between)
         self.stats.longest_slice_s = max(self.stats.longest_slice_s, trio.current_time() - at)
         return outcome
 
@@ -436,7 +510,7 @@ class StepBatcher:
                 try:
                     outcomes: list[StepResult | BaseException]
                     if not steps[0].batchable and self._run_prefill is not None:
-                        results, compute_s = await self._prefill_in_slices([s.bundle for s in steps])
+                        results, compute_s = await self._prefill_in_slices(steps)  # may take in more
                         outcomes = list(results)
                     elif len(steps) == 1:
                         result, compute_s = await self._run_one(steps[0].bundle)

@@ -189,7 +189,8 @@ class ShardHost:
         return await self.compute.run(self._in_turn, self.require_shard().forward, bundle)
 
     async def _run_prefill(self, bundles: Sequence[HiddenStateBundle], pause: Callable[[], bool],
-                           between: Callable[[], Awaitable[None]]) -> tuple[list[StepResult | Exception], float]:
+                           between: Callable[[], Awaitable[Sequence[HiddenStateBundle]]],
+                           ) -> tuple[list[StepResult | Exception], float]:
         """Prefill chunks of one or more sessions, as one, in slices: each its own call on the compute
         thread and its own CPU turn; ``between()`` runs after each slice but the last (the batcher's
         decode steps). Where chunks computed together fail, each is computed again on its own, so that
@@ -202,7 +203,12 @@ class ShardHost:
                 computed += spent
                 if done:
                     break
-                await between()
+                joining = await between()
+                if joining:  # the run starts again with them: what it computed is undone
+                    await self.compute.run(run.abort)
+                    bundles = [*bundles, *joining]
+                    run, spent = await self.compute.run(self._in_turn, shard.start_prefill, bundles)
+                    computed += spent
             outcomes, spent = await self.compute.run(self._in_turn, run.finish)
         except Exception:
             await self.compute.run(run.abort)  # a no-op once the run has ended itself
