@@ -396,7 +396,13 @@ class Stream:
         limit = self._conn._config.max_message_bytes
         if len(payload) > limit:
             raise MessageTooLarge(f"message of {len(payload)} bytes exceeds the limit of {limit}")
-        await self._send_bytes(LENGTH_PREFIX.pack(len(payload)), payload)
+        prefix = LENGTH_PREFIX.pack(len(payload))
+        if len(payload) < self._conn._h2.max_outbound_frame_size:
+            # one DATA frame, not two: a decode step's messages are this small, and each frame costs
+            # about as much to send and to receive as its bytes do
+            await self._send_bytes(prefix + payload)
+        else:
+            await self._send_bytes(prefix, payload)
 
     async def receive_headers(self) -> dict[str, str]:
         """Wait for the response headers (requesting side)."""
