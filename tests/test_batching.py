@@ -263,6 +263,7 @@ async def test_concurrent_sessions_through_hosts_batch_and_match_solo(tiny_model
     assert [got[i] for i in range(len(PROMPTS))] == solo
     assert max(h.batcher.stats.largest_batch for h in hosts) > 1
     assert all(len(h.shard.kv) == 0 for h in hosts)
+    assert [h._forms_waves() for h in hosts] == [True, False]  # waves form where routes enter the model
     for host in hosts:
         host.close()
 
@@ -843,3 +844,41 @@ async def test_a_prefill_run_takes_in_only_what_fits_and_starts_again_a_bounded_
     _calls, _done, batcher = await _prompts_arriving({"a": 0.0, **trickle}, tokens=8, slice_s=10.0)
     assert batcher.stats.prefill_restarts == RESTARTS_MAX
     assert batcher.stats.prefill_chunks == 7 and batcher.waiting == 0
+
+
+async def test_on_a_shared_machine_a_hop_past_the_first_layer_holds_only_for_a_wave_in_flight(autojump_clock):
+    """Only the hop where routes enter draws sessions into waves: a later hop, on the same shared
+    machine and with the same cheap second row, waits for nobody a period away."""
+    rec, batcher = await _route({1: 1.0, 2: 1.2}, True, {"a": 0.0, "b": 2.5}, forms_waves=lambda: False)
+    assert batcher.stats.held_batches == 0 and all(len(call) == 1 for call in rec.calls)
+    assert batcher.stats.shared_machine is True
+
+
+async def _ring(waves_at: set[int], sessions: int = 6, steps: int = 30) -> tuple[float, list[list[list[str]]]]:
+    """Sessions looping through a route of three hops on one shared machine (steps of 1 s for a row, 1.2 s
+    for more), started 0.7 s apart; the hops in ``waves_at`` form waves. When the last step ended, and
+    each hop's calls."""
+    recs = [_CostedRecorder({1: 1.0, 2: 1.2}) for _ in range(3)]
+    hops = [StepBatcher(r.batch, r.one, forms_waves=lambda i=i: i in waves_at) for i, r in enumerate(recs)]
+
+    async def session(name: str, start: float) -> None:
+        await trio.sleep(start)
+        for position in range(1, steps + 1):
+            for hop in hops:
+                await hop.submit(_bundle(name, Phase.DECODE, position))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(sessions):
+            nursery.start_soon(session, f"s{i}", 0.7 * i)
+    return trio.current_time(), [r.calls for r in recs]
+
+
+async def test_waves_formed_where_routes_enter_move_through_the_route_whole(autojump_clock):
+    """Sessions that start apart are drawn into one wave by the first hop alone, and the hops after it,
+    which wait only for a wave in flight, compute it whole: the steps before the last of each hop are
+    waves of all six sessions (the first sessions, ahead before the wave formed, end a step sooner)."""
+    _, calls = await _ring({0})
+    for hop in calls:
+        assert [len(call) for call in hop][-8:-1] == [6] * 7
+    _, apart = await _ring(set())
+    assert all(max(len(call) for call in hop[-8:]) < 6 for hop in apart)  # no hop forming waves: none form

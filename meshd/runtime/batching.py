@@ -47,7 +47,10 @@ last step plus its period). Whether waiting pays depends on where the route's ho
   table (:mod:`meshd.runtime.step_costs`) says rows computed together cost clearly less than apart
   (``cost(R + E) < 0.9 (cost(R) + cost(E))`` for ``R`` rows queued and ``E`` expected). Sessions
   that start apart are drawn into one wave, which then moves through the route together. Where rows
-  cost what they add, nobody is waited for.
+  cost what they add, nobody is waited for. Only the hop where routes enter the model (its first
+  layer: ``forms_waves``) waits that long; the hops after it get waves formed and hold as on
+  machines of their own. Were every hop to wait a period, each would wait for sessions that another
+  holds for it, and the machine's cores would idle while all of them wait.
 - **On machines of their own**, hops are idle between waves anyway, and several waves keep all of
   them busy: the batcher holds only for sessions due within ``hold_factor`` one-row steps (those
   would arrive while the batch computes and then run alone after it), and waves spread over a
@@ -211,7 +214,8 @@ class _Step:
 class StepBatcher:
     def __init__(self, run_batch: RunBatch, run_one: RunOne, *, max_batch: int = 16,
                  hold_factor: float = 1.0, latency_bound_s: float | None = None,
-                 shared_machine: Callable[[], bool] | None = None, run_prefill: RunPrefill | None = None,
+                 shared_machine: Callable[[], bool] | None = None, forms_waves: Callable[[], bool] | None = None,
+                 run_prefill: RunPrefill | None = None,
                  prefill_tokens: Callable[[], int] | None = None,
                  slice_s: float = SLICE_S, clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch < 1:
@@ -235,6 +239,7 @@ class StepBatcher:
         self.hold_factor = hold_factor
         self.latency_bound_s = latency_bound_s
         self._shared_machine = shared_machine if shared_machine is not None else (lambda: True)
+        self._forms_waves = forms_waves if forms_waves is not None else (lambda: True)
         self._queue: list[_Step] = []
         self._turn = trio.Lock()
         self._arrived = trio.Event()  # set (and replaced) whenever a step is queued
@@ -310,12 +315,13 @@ class StepBatcher:
         due.sort()
         shared = self._shared_machine()
         self.stats.shared_machine = shared
+        waves = shared and self._forms_waves()
         rows = sum(s.rows for s in queued)
         room = self.max_batch - len(present)
         wanted: set[tuple[str, int]] = set()
         until = now
         for count, (eta, key, period) in enumerate(due[:room], start=1):
-            if shared:
+            if waves:
                 apart = (self.costs.decode_s(rows) or solo) + (self.costs.decode_s(count) or solo)
                 together = self.costs.decode_s(rows + count) or solo
                 limit = self.hold_factor * period if together < PAYS * apart else 0.0

@@ -149,7 +149,8 @@ class ShardHost:
         self.compute = compute if compute is not None else ComputeThread(torch_threads)
         self.batcher = StepBatcher(self._run_batch, self._run_one, max_batch=max_batch, hold_factor=batch_hold,
                                    latency_bound_s=batch_latency_ms / 1000 if batch_latency_ms > 0 else None,
-                                   shared_machine=MachineShare(), run_prefill=self._run_prefill,
+                                   shared_machine=MachineShare(), forms_waves=self._forms_waves,
+                                   run_prefill=self._run_prefill,
                                    prefill_tokens=self._prefill_tokens)
         self._shard_options: dict[str, Any] = dict(max_chunk_tokens=max_chunk_tokens, kv_budget_bytes=kv_budget_bytes,
                                                    prefix_kv_bytes=prefix_kv_bytes,
@@ -219,6 +220,11 @@ class ShardHost:
             await self.compute.run(run.abort)
             raise
         return outcomes, computed + spent
+
+    def _forms_waves(self) -> bool:
+        """Whether routes enter the model here (this shard holds its first layer): where the batcher draws
+        sessions into waves (see :mod:`meshd.runtime.batching`)."""
+        return self.shard is not None and self.shard.spec.start == 0
 
     def _prefill_tokens(self) -> int:
         """How many prompt tokens of several sessions' chunks may compute as one (0: one chunk at a time)."""
