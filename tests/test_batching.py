@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import trio
 
 from meshd.errors import BundleError, CacheMiss, PositionMismatch, RangeMismatch, ShapeMismatch
-from meshd.runtime.batching import PROMPT_SHARE_MAX, RESTARTS_MAX, StepBatcher, prompt_share
+from meshd.runtime.batching import IN_FLIGHT_STEPS, PROMPT_SHARE_MAX, RESTARTS_MAX, StepBatcher, prompt_share
 from meshd.runtime.chain import input_bundles
 from meshd.runtime.host import ShardHost
 from meshd.runtime.kv import room_for
@@ -846,12 +846,16 @@ async def test_a_prefill_run_takes_in_only_what_fits_and_starts_again_a_bounded_
     assert batcher.stats.prefill_chunks == 7 and batcher.waiting == 0
 
 
-async def test_on_a_shared_machine_a_hop_past_the_first_layer_holds_only_for_a_wave_in_flight(autojump_clock):
-    """Only the hop where routes enter draws sessions into waves: a later hop, on the same shared
-    machine and with the same cheap second row, waits for nobody a period away."""
+async def test_on_a_shared_machine_a_hop_past_the_first_layer_waits_briefly_for_a_wave_in_flight(autojump_clock):
+    """Only the hop where routes enter draws sessions into waves: a later hop, on the same shared machine
+    and with the same cheap second row, waits for a session due within the period at most
+    ``IN_FLIGHT_STEPS`` one-row steps, so sessions 0.5 s apart compute together and sessions 2.5 s
+    apart do not."""
     rec, batcher = await _route({1: 1.0, 2: 1.2}, True, {"a": 0.0, "b": 2.5}, forms_waves=lambda: False)
-    assert batcher.stats.held_batches == 0 and all(len(call) == 1 for call in rec.calls)
-    assert batcher.stats.shared_machine is True
+    assert all(len(call) == 1 for call in rec.calls) and batcher.stats.shared_machine is True
+    assert 0 < batcher.stats.held_s <= IN_FLIGHT_STEPS * 1.0 * batcher.stats.held_batches
+    rec, _ = await _route({1: 1.0, 2: 1.2}, True, {"a": 0.0, "b": 0.5}, forms_waves=lambda: False)
+    assert sum(sorted(call) == ["a", "b"] for call in rec.calls) >= 10
 
 
 async def _ring(waves_at: set[int], sessions: int = 6, steps: int = 30) -> tuple[float, list[list[list[str]]]]:

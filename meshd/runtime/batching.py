@@ -48,9 +48,10 @@ last step plus its period). Whether waiting pays depends on where the route's ho
   (``cost(R + E) < 0.9 (cost(R) + cost(E))`` for ``R`` rows queued and ``E`` expected). Sessions
   that start apart are drawn into one wave, which then moves through the route together. Where rows
   cost what they add, nobody is waited for. Only the hop where routes enter the model (its first
-  layer: ``forms_waves``) waits that long; the hops after it get waves formed and hold as on
-  machines of their own. Were every hop to wait a period, each would wait for sessions that another
-  holds for it, and the machine's cores would idle while all of them wait.
+  layer: ``forms_waves``) waits that long; the hops after it get waves formed and wait for the
+  sessions due within the period at most ``IN_FLIGHT_STEPS`` one-row steps (a wave's last sessions,
+  sent a little after its first). Were every hop to wait a period, each would wait for sessions
+  that another holds for it, and the machine's cores would idle while all of them wait.
 - **On machines of their own**, hops are idle between waves anyway, and several waves keep all of
   them busy: the batcher holds only for sessions due within ``hold_factor`` one-row steps (those
   would arrive while the batch computes and then run alone after it), and waves spread over a
@@ -81,6 +82,7 @@ from meshd.wire.bundle import HiddenStateBundle, Phase
 PAYS = 0.9  # on a shared machine, rows are waited for when together they cost less than this share of apart
 SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step waits here
 PROMPT_SHARE_MAX = 4  # prompts computed together slice for at most this many times SLICE_S
+IN_FLIGHT_STEPS = 2  # past the first hop, a batch waits at most this many one-row steps for a wave's sessions
 RESTARTS_MAX = 3  # a prefill run starts again at most this many times to take in chunks queued behind it
 
 
@@ -316,12 +318,14 @@ class StepBatcher:
         shared = self._shared_machine()
         self.stats.shared_machine = shared
         waves = shared and self._forms_waves()
+        # past the first hop, a shared machine's batch waits for the sessions a wave brings, but not for long
+        cap = None if waves or not shared else now + IN_FLIGHT_STEPS * self.hold_factor * solo
         rows = sum(s.rows for s in queued)
         room = self.max_batch - len(present)
         wanted: set[tuple[str, int]] = set()
         until = now
         for count, (eta, key, period) in enumerate(due[:room], start=1):
-            if waves:
+            if shared:
                 apart = (self.costs.decode_s(rows) or solo) + (self.costs.decode_s(count) or solo)
                 together = self.costs.decode_s(rows + count) or solo
                 limit = self.hold_factor * period if together < PAYS * apart else 0.0
@@ -331,6 +335,8 @@ class StepBatcher:
                 break
             wanted.add(key)
             until = now + eta + 0.1 * solo
+        if cap is not None:
+            until = min(until, cap)
         return (wanted, until) if wanted else None
 
     async def _hold(self) -> None:
