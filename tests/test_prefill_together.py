@@ -213,15 +213,16 @@ async def test_a_host_takes_prompts_queued_behind_a_young_prefill_run_into_it(ad
     async def prompt(i: int) -> None:
         tokens[i] = (await host.forward(_chunks(f"s{i}", PROMPTS[i])[0])).token
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(prompt, 0)
-        while not host.batcher.stats.prefill_chunks:  # s0's run has started
-            await trio.sleep(0.01)
-        nursery.start_soon(prompt, 1)
-        nursery.start_soon(prompt, 2)
-        while host.batcher.waiting < 2:
-            await trio.sleep(0.01)
-        others_queued.set()
+    with trio.fail_after(60):  # a run that never starts or never takes them in fails, not hangs
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prompt, 0)
+            while not host.batcher.stats.prefill_chunks:  # s0's run has started
+                await trio.sleep(0.01)
+            nursery.start_soon(prompt, 1)
+            nursery.start_soon(prompt, 2)
+            while host.batcher.waiting < 2:
+                await trio.sleep(0.01)
+            others_queued.set()
     assert [tokens[i] for i in range(3)] == solo
     stats = host.batcher.stats.summary()
     assert stats["prefill_restarts"] == 1 and stats["prefill_runs"] == {"3": 1}

@@ -334,10 +334,13 @@ def test_the_continuous_server_takes_prompts_arriving_during_a_runs_first_slice_
         server.shard._run_layer = gated
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             first = pool.submit(server.serve, prompts[0], 6)
+            give_up = time.monotonic() + 30  # a run that never starts, or prompts never queued, fail the test
             while server.stats()["prefill_runs"] != {"1": 1}:  # its run has started
+                assert time.monotonic() < give_up, "the lone prompt's run did not start"
                 time.sleep(0.001)
             rest = [pool.submit(server.serve, p, 6) for p in prompts[1:]]
             while len(server._queue) < len(rest):
+                assert time.monotonic() < give_up, "the other prompts did not queue"
                 time.sleep(0.001)
             queued.set()
             texts = [f.result().text for f in (first, *rest)]
