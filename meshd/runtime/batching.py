@@ -48,10 +48,13 @@ last step plus its period). Whether waiting pays depends on where the route's ho
   (``cost(R + E) < 0.9 (cost(R) + cost(E))`` for ``R`` rows queued and ``E`` expected). Sessions
   that start apart are drawn into one wave, which then moves through the route together. Where rows
   cost what they add, nobody is waited for. Only the hop where routes enter the model (its first
-  layer: ``forms_waves``) waits that long; the hops after it get waves formed and wait for the
-  sessions due within the period at most ``IN_FLIGHT_STEPS`` one-row steps (a wave's last sessions,
-  sent a little after its first). Were every hop to wait a period, each would wait for sessions
-  that another holds for it, and the machine's cores would idle while all of them wait.
+  layer: ``forms_waves``) waits that long; the hops after it get waves formed and wait only for the
+  rest of the wave in flight: for sessions due within the period while steps keep arriving less
+  than ``QUIET_STEPS`` of a one-row step apart (``QUIET_MIN_S`` at least: the previous hop sends a
+  batch's steps within a millisecond or two), and at most ``IN_FLIGHT_STEPS`` one-row steps. Were
+  every hop to wait a period, each would wait for sessions that another holds for it, and the
+  machine's cores would idle while all of them wait; were a later hop to wait out its cap whenever
+  a wave had split, it would wait, at every step, for sessions that the first hop holds.
 - **On machines of their own**, hops are idle between waves anyway, and several waves keep all of
   them busy: the batcher holds only for sessions due within ``hold_factor`` one-row steps (those
   would arrive while the batch computes and then run alone after it), and waves spread over a
@@ -83,6 +86,8 @@ PAYS = 0.9  # on a shared machine, rows are waited for when together they cost l
 SLICE_S = 0.05  # a prefill slice ends after this long even when no decode step waits here
 PROMPT_SHARE_MAX = 4  # prompts computed together slice for at most this many times SLICE_S
 IN_FLIGHT_STEPS = 2  # past the first hop, a batch waits at most this many one-row steps for a wave's sessions
+QUIET_STEPS = 0.1  # ... and no longer than this share of a one-row step after the last step arrived,
+QUIET_MIN_S = 0.002  # ... or this long, if longer: a batch's steps reach the next hop within a millisecond or two
 RESTARTS_MAX = 3  # a prefill run starts again at most this many times to take in chunks queued behind it
 
 
@@ -296,8 +301,9 @@ class StepBatcher:
         assert step.result is not None
         return step.result
 
-    def _expected(self, now: float) -> tuple[set[tuple[str, int]], float] | None:
-        """Sessions worth holding the next decode batch for, and until when; None when none are."""
+    def _expected(self, now: float) -> tuple[set[tuple[str, int]], float, float | None] | None:
+        """Sessions worth holding the next decode batch for, until when, and how long the hold may go
+        on after the last step arrived (None: until then); None when none are worth holding for."""
         solo = self.costs.decode_s(1)
         if self.hold_factor <= 0 or solo is None:
             return None
@@ -335,21 +341,37 @@ class StepBatcher:
                 break
             wanted.add(key)
             until = now + eta + 0.1 * solo
+        quiet: float | None = None
         if cap is not None:
             until = min(until, cap)
-        return (wanted, until) if wanted else None
+            quiet = max(QUIET_STEPS * solo, QUIET_MIN_S)  # how fast steps come, not how long holding pays
+        return (wanted, until, quiet) if wanted else None
 
     async def _hold(self) -> None:
         expected = self._expected(trio.current_time())
         if expected is None:
             return
-        wanted, until = expected
+        wanted, until, quiet = expected
         started = trio.current_time()
+        if quiet is not None and self._lull_ends(quiet) <= started:
+            return  # no step came within the lull: no wave is arriving
         with trio.move_on_at(until):
             while not wanted <= {s.key for s in self._queue if s.batchable}:
-                await self._arrived.wait()
+                if quiet is None:
+                    await self._arrived.wait()
+                    continue
+                with trio.move_on_at(self._lull_ends(quiet)) as lull:
+                    await self._arrived.wait()
+                if lull.cancelled_caught:  # the wave in flight has come; the sessions still due are elsewhere
+                    break
         self.stats.held_batches += 1
         self.stats.held_s += trio.current_time() - started
+
+    def _lull_ends(self, quiet: float) -> float:
+        """When ``quiet`` seconds will have passed since the last decode step queued arrived (now, when
+        none is queued: those went away)."""
+        arrivals = [s.submitted for s in self._queue if s.batchable]
+        return max(arrivals) + quiet if arrivals else trio.current_time()
 
     async def _cycle(self, prefill_too: bool) -> None:
         decodes, prefills = self._take(prefill_too)
