@@ -72,6 +72,7 @@ chunks cost by size.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -353,23 +354,22 @@ class StepBatcher:
             return
         wanted, until, quiet = expected
         started = trio.current_time()
-        if quiet is not None and self._lull_ends(quiet) <= started:
-            return  # no step came within the lull: no wave is arriving
         with trio.move_on_at(until):
             while not wanted <= {s.key for s in self._queue if s.batchable}:
-                if quiet is None:
-                    await self._arrived.wait()
-                    continue
                 with trio.move_on_at(self._lull_ends(quiet)) as lull:
                     await self._arrived.wait()
                 if lull.cancelled_caught:  # the wave in flight has come; the sessions still due are elsewhere
                     break
-        self.stats.held_batches += 1
-        self.stats.held_s += trio.current_time() - started
+        held = trio.current_time() - started
+        if held > 0:  # a lull over before the hold began holds nothing
+            self.stats.held_batches += 1
+            self.stats.held_s += held
 
-    def _lull_ends(self, quiet: float) -> float:
-        """When ``quiet`` seconds will have passed since the last decode step queued arrived (now, when
-        none is queued: those went away)."""
+    def _lull_ends(self, quiet: float | None) -> float:
+        """When ``quiet`` seconds will have passed since the last decode step queued arrived (never, for
+        None; now, when none is queued: those went away)."""
+        if quiet is None:
+            return math.inf
         arrivals = [s.submitted for s in self._queue if s.batchable]
         return max(arrivals) + quiet if arrivals else trio.current_time()
 
