@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-from meshd.bench.runner import compute_share
+from meshd.bench.baseline import BaselineResult
+from meshd.bench.report import build_report
+from meshd.bench.runner import MeshResult, compute_share
+from meshd.bench.workload import StreamTiming
 from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
 
@@ -31,6 +34,31 @@ def test_the_compute_share_is_what_each_hop_computed_during_the_load_over_its_wa
     assert share == {"hops": [0.4, 0.3], "decode": 0.55, "prefill": 0.15, "summed": 0.7}
     # a hop whose counters were reset meanwhile (a restarted peer) adds nothing rather than a negative share
     assert compute_share(after[:1], before[:1], 10.0)["summed"] == 0.0
+
+
+def _hop_stats(prefill_compute_ms: float, runs: int) -> dict:
+    window = {"p50": 1.0, "p95": 1.0, "mean": 1.0, "count": 10}
+    prefill = {"p50": 1.0, "p95": 1.0, "mean": 1.0, "count": runs}
+    return {"deserialize_ms": window, "queue_ms": window, "compute_ms": window, "serialize_ms": window,
+            "entry_seam_ms": window, "seam_ms": window, "decode_bundle_bytes": {"p50": 88.0, "count": 10},
+            "prefill_seam_ms": prefill, "prefill_queue_ms": prefill,
+            "prefill_compute_ms": prefill | {"mean": prefill_compute_ms}}
+
+
+def test_the_first_token_split_takes_its_parts_out_of_the_runs_mean_time_like_the_parts():
+    # three runs of one chunk per hop, the last one slow: summed over hops the parts' means are 1200 ms,
+    # more than the median TTFT (1160) though the runs spent 12 ms more than that on average
+    runs = [StreamTiming("x", 8, first_s, first_s + 0.5, 8) for first_s in (1.16, 1.15, 1.33)]
+    mesh = MeshResult(peers=3, ranges=[(0, 1), (1, 2), (2, 4)], runs=runs, baseline_tok_s=[10.0, 10.0],
+                      identical=[True] * 3, hop_stats=[_hop_stats(ms, 3) for ms in (370.0, 430.0, 394.0)],
+                      peer_ids=["a", "b", "c"], rss_mb=[1.0] * 3)
+    baseline = BaselineResult(token_ids=[1], decode_tok_s=10.0, ttft_ms=1000.0, runs_tok_s=[10.0],
+                              runs_ttft_ms=[1000.0], rss_mb=1.0, model_bytes=1, torch_threads=1)
+    split = build_report({}, baseline, [mesh])["ttft_split"]["3"]
+    assert split["ttft_mean_ms"] == pytest.approx(1213.333, abs=1e-3)
+    assert split["prefill_compute_ms"] == pytest.approx(1194.0)
+    # compute 1194 + queue 3 + seams 3 out of the mean: 13.3 ms left, where the median would leave -40
+    assert split["other_ms"] == pytest.approx(13.333, abs=1e-3)
 
 
 @pytest.mark.slow
