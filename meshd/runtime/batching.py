@@ -426,44 +426,47 @@ class StepBatcher:
         """The decode steps of the next batch, and (with ``prefill_too``) the oldest prefill chunk with
         the chunks that may compute with it."""
         decodes: list[_Step] = []
-        prefills: list[_Step] = []
         sessions: set[tuple[str, int]] = set()
         most = self.max_batch
         rows = 0
-        joint = self._prefill_tokens() if prefill_too and self._run_prefill is not None else 0
-        tokens = 0
         if self.latency_bound_s is not None:
             most = self.costs.rows_within(self.latency_bound_s, 4 * self.max_batch)
         for step in self._queue:
-            if step.key in sessions:
-                continue  # a session's steps run in order, one per cycle
-            if step.batchable and len(decodes) < self.max_batch and (not decodes or rows + step.rows <= most):
+            if len(decodes) == self.max_batch:
+                break
+            # a session's steps run in order, one per cycle
+            if step.batchable and step.key not in sessions and (not decodes or rows + step.rows <= most):
                 decodes.append(step)
                 rows += step.rows
-            elif not step.batchable and prefill_too and (not prefills or tokens + step.rows <= joint):
-                prefills.append(step)
-                tokens += step.rows
-            else:
-                continue
-            sessions.add(step.key)
+                sessions.add(step.key)
+        prefills: list[_Step] = []
+        if prefill_too:
+            oldest = next((s for s in self._queue if not s.batchable and s.key not in sessions), None)
+            prefills = [oldest, *self._fitting([oldest], sessions)] if oldest is not None else []
         self._mark_taken(decodes + prefills)
         return decodes, prefills
 
     def _joining(self, steps: list[_Step]) -> list[_Step]:
         """The prefill chunks queued that may compute with ``steps`` (other sessions', while their tokens
         fit what the shard computes as one), taken."""
-        sessions = {s.key for s in steps}
+        joining = self._fitting(steps, set())
+        self._mark_taken(joining)
+        return joining
+
+    def _fitting(self, steps: list[_Step], busy: set[tuple[str, int]]) -> list[_Step]:
+        """The prefill chunks queued, oldest first, of sessions neither in ``steps`` nor ``busy`` (one
+        chunk a session), that fit with ``steps`` into what the shard computes as one chunk."""
+        sessions = busy | {s.key for s in steps}
         tokens = sum(s.rows for s in steps)
         joint = self._prefill_tokens() if self._run_prefill is not None else 0
-        joining: list[_Step] = []
+        fitting: list[_Step] = []
         for step in self._queue:
             if step.batchable or step.key in sessions or tokens + step.rows > joint:
                 continue
-            joining.append(step)
+            fitting.append(step)
             sessions.add(step.key)
             tokens += step.rows
-        self._mark_taken(joining)
-        return joining
+        return fitting
 
     def _mark_taken(self, taken: list[_Step]) -> None:
         for step in taken:
