@@ -13,8 +13,9 @@ import sys
 import pytest
 
 from meshd.bench.baseline import BaselineResult
-from meshd.bench.report import build_report
+from meshd.bench.report import build_report, format_summary
 from meshd.bench.runner import MeshResult, compute_share
+from meshd.bench.wakeup import idle_policy
 from meshd.bench.workload import StreamTiming
 from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
@@ -61,6 +62,47 @@ def test_the_first_token_split_takes_its_parts_out_of_the_runs_mean_time_like_th
     assert split["other_ms"] == pytest.approx(13.333, abs=1e-3)
 
 
+def test_the_idle_policy_is_read_from_sysfs_and_none_where_the_kernel_does_not_say(tmp_path):
+    assert idle_policy(tmp_path) == {"driver": None, "governor": None, "guest_halt_poll_ns": None}
+    cpuidle = tmp_path / "devices/system/cpu/cpuidle"
+    cpuidle.mkdir(parents=True)
+    (cpuidle / "current_driver").write_text("haltpoll\n")
+    (cpuidle / "current_governor").write_text("menu\n")
+    assert idle_policy(tmp_path) == {"driver": "haltpoll", "governor": "menu", "guest_halt_poll_ns": None}
+    (cpuidle / "current_governor_ro").write_text("haltpoll\n")  # the one in use, where the kernel has both
+    params = tmp_path / "module/haltpoll/parameters"
+    params.mkdir(parents=True)
+    (params / "guest_halt_poll_ns").write_text("200000\n")
+    assert idle_policy(tmp_path) == {"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 200000}
+    (params / "guest_halt_poll_ns").write_text("garbage\n")
+    assert idle_policy(tmp_path)["guest_halt_poll_ns"] is None
+
+
+def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():
+    mesh = MeshResult(peers=1, ranges=[(0, 4)], runs=[StreamTiming("x", 8, 0.2, 0.7, 8)], baseline_tok_s=[10.0],
+                      identical=[True], hop_stats=[_hop_stats(100.0, 1)], peer_ids=["a"], rss_mb=[1.0])
+    baseline = BaselineResult(token_ids=[1], decode_tok_s=10.0, ttft_ms=100.0, runs_tok_s=[10.0],
+                              runs_ttft_ms=[100.0], rss_mb=1.0, model_bytes=1, torch_threads=1)
+    trip = {"hot": {"p50": 10.0}, "idle": {"p50": 50.0}}
+    meta = {"model": "m", "prompt_tokens": 8, "new_tokens": 8, "torch_threads": 1, "cpu_count": 2}
+
+    def wake_line(policy: dict | None) -> str:
+        wakeup = {"idle_ms": 20.0, "thread_handoff_us": trip, "process_round_trip_us": trip}
+        if policy is not None:
+            wakeup["idle_policy"] = policy
+        summary = format_summary(build_report({**meta, "wakeup": wakeup}, baseline, [mesh]))
+        return next(line for line in summary.splitlines() if line.startswith("wake-ups"))
+
+    assert wake_line(None).endswith("process round trip 10 / 50")  # a report from before the field
+    assert wake_line({"driver": None, "governor": None, "guest_halt_poll_ns": None}).endswith("10 / 50")
+    assert wake_line({"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 0}).endswith(
+        "10 / 50 (cpuidle haltpoll/haltpoll, an idle vCPU halts at once)")
+    assert wake_line({"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 200000}).endswith(
+        "(cpuidle haltpoll/haltpoll, an idle vCPU polls up to 200 us before it halts)")
+    assert wake_line({"driver": "intel_idle", "governor": "menu", "guest_halt_poll_ns": None}).endswith(
+        "10 / 50 (cpuidle intel_idle/menu)")
+
+
 @pytest.mark.slow
 def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     out = tmp_path / "report.json"
@@ -101,6 +143,7 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):
         assert all(report["wakeup"][kind][when]["p50"] > 0 for when in ("hot", "idle")), kind
+    assert set(report["wakeup"]["idle_policy"]) == {"driver", "governor", "guest_halt_poll_ns"}
     assert [len(report["peer_rss_mb"][k]) for k in ("1", "2")] == [1, 2]
     assert all(v > 0 for values in report["peer_rss_mb"].values() for v in values)
     assert report["seam_ms"]["1"]["p50"] is None  # one peer: no hidden-state seam, only the entry's

@@ -206,6 +206,17 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _idle_policy(wake: dict) -> str:
+    """The idle CPUs' handling after the wake-up figures, where the report has it (older ones do not)."""
+    policy = wake.get("idle_policy") or {}
+    if not policy.get("driver"):
+        return ""
+    poll = policy.get("guest_halt_poll_ns")
+    polls = ("" if poll is None else ", an idle vCPU halts at once" if poll == 0
+             else f", an idle vCPU polls up to {poll / 1000:g} us before it halts")
+    return f" (cpuidle {policy['driver']}/{policy.get('governor') or '?'}{polls})"
+
+
 def format_summary(report: dict) -> str:
     lines = [
         f"model {report['model']} ({report['model_size_mb']:.0f} MB {report.get('dtype', 'float32')}), "
@@ -245,7 +256,7 @@ def format_summary(report: dict) -> str:
         thread, process = wake["thread_handoff_us"], wake["process_round_trip_us"]
         lines.append(f"wake-ups on this machine, p50 us hot / after {wake['idle_ms']:.0f} ms idle: thread hand-off "
                      f"{thread['hot']['p50']:.0f} / {thread['idle']['p50']:.0f}, process round trip "
-                     f"{process['hot']['p50']:.0f} / {process['idle']['p50']:.0f}")
+                     f"{process['hot']['p50']:.0f} / {process['idle']['p50']:.0f}{_idle_policy(wake)}")
     if report["aggregate_tok_s"]:
         levels = ", ".join(f"c={c}: {v:.2f}" for c, v in report["aggregate_tok_s"].items())
         gain = report["batching_gain"]

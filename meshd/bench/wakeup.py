@@ -10,7 +10,12 @@ the machine's and how much is ours:
 - ``thread_handoff_us``: a round trip to a long-lived worker thread and back, as a peer hands a
   step to its compute thread, back to back (``hot``) and after ``idle_ms`` of idleness (``idle``);
 - ``process_round_trip_us``: a one-byte message to another process over a socket and its answer,
-  as one hop hands a bundle to the next, the same two ways.
+  as one hop hands a bundle to the next, the same two ways;
+- ``idle_policy``: what the kernel does with an idle CPU, which decides the ``idle`` figures (and
+  how fast peers that take turns at the same CPUs compute): the ``cpuidle`` driver and governor, and
+  on a virtual machine with the ``haltpoll`` driver how long an idle vCPU polls before it halts and
+  waits on the hypervisor (``guest_halt_poll_ns``; 0 halts at once). None where the kernel does not
+  say.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import get_context
+from pathlib import Path
 
 from meshd.stats import percentiles
 
@@ -93,10 +99,27 @@ def process_round_trip(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict
             child.join()
 
 
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def idle_policy(sys_root: Path = Path("/sys")) -> dict[str, str | int | None]:
+    """The kernel's idle handling of the CPUs, as far as sysfs shows it (None for what it does not)."""
+    cpuidle = sys_root / "devices/system/cpu/cpuidle"
+    poll = _read(sys_root / "module/haltpoll/parameters/guest_halt_poll_ns")
+    return {"driver": _read(cpuidle / "current_driver"), "governor": _read(cpuidle / "current_governor_ro")
+            or _read(cpuidle / "current_governor"),
+            "guest_halt_poll_ns": int(poll) if poll is not None and poll.isdigit() else None}
+
+
 def measure_wakeups(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
     return {"idle_ms": idle_ms, "samples": samples,
             "thread_handoff_us": thread_handoff(samples, idle_ms),
-            "process_round_trip_us": process_round_trip(samples, idle_ms)}
+            "process_round_trip_us": process_round_trip(samples, idle_ms),
+            "idle_policy": idle_policy()}
 
 
 if __name__ == "__main__":
