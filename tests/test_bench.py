@@ -101,6 +101,9 @@ def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():
         "(cpuidle haltpoll/haltpoll, an idle vCPU polls up to 200 us before it halts)")
     assert wake_line({"driver": "intel_idle", "governor": "menu", "guest_halt_poll_ns": None}).endswith(
         "10 / 50 (cpuidle intel_idle/menu)")
+    # the poll time is the haltpoll governor's: under another one it decides nothing
+    assert wake_line({"driver": "acpi_idle", "governor": "menu", "guest_halt_poll_ns": 0}).endswith(
+        "10 / 50 (cpuidle acpi_idle/menu)")
 
 
 @pytest.mark.slow

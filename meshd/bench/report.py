@@ -211,7 +211,7 @@ def _idle_policy(wake: dict) -> str:
     policy = wake.get("idle_policy") or {}
     if not policy.get("driver"):
         return ""
-    poll = policy.get("guest_halt_poll_ns")
+    poll = policy.get("guest_halt_poll_ns") if policy.get("governor") == "haltpoll" else None  # else unused
     polls = ("" if poll is None else ", an idle vCPU halts at once" if poll == 0
              else f", an idle vCPU polls up to {poll / 1000:g} us before it halts")
     return f" (cpuidle {policy['driver']}/{policy.get('governor') or '?'}{polls})"

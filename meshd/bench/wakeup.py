@@ -13,7 +13,7 @@ the machine's and how much is ours:
   as one hop hands a bundle to the next, the same two ways;
 - ``idle_policy``: what the kernel does with an idle CPU, which decides the ``idle`` figures (and
   how fast peers that take turns at the same CPUs compute): the ``cpuidle`` driver and governor, and
-  on a virtual machine with the ``haltpoll`` driver how long an idle vCPU polls before it halts and
+  on a virtual machine under the ``haltpoll`` governor how long an idle vCPU polls before it halts and
   waits on the hypervisor (``guest_halt_poll_ns``; 0 halts at once). None where the kernel does not
   say.
 """
