@@ -204,3 +204,11 @@ def test_each_family_through_gguf_matches_its_checkpoint_and_splits_exactly(adap
     q8 = gguf_model_dir(write_gguf(source, tmp_path / f"{arch}-q8_0.gguf", "q8_0"), tmp_path / "cache")
     for backend in ("torch", *(["llama.cpp"] if available() or os.environ.get("MESHD_REQUIRE_NATIVE") else [])):
         assert generate(q8, SPLITS[2], backend, n=16) == generate(q8, SPLITS[0], backend, n=16), backend
+
+
+def test_every_weight_read_from_a_gguf_starts_on_a_cache_line(dirs):
+    from meshd.runtime.loader import ALIGNMENT
+
+    for quant in ("f32", "q8_0"):
+        shard = Shard(dirs[quant], 0, 4)
+        assert not [name for name, w in shard.weight_tensors() if w.data_ptr() % ALIGNMENT]

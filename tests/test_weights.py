@@ -300,3 +300,51 @@ async def test_a_worker_waits_for_chunks_in_flight_elsewhere_before_giving_up(te
     sources.lacking["full"] = {names[0]}
     stats = await fetch_chunks(entries, ["a-only", "flaky", "full"], sources.ask, tmp_path / "staging")
     assert stats.bytes_fetched == stats.bytes_needed and list(stats.dropped) == ["flaky"]
+
+
+def test_loaded_tensors_start_on_a_cache_line_and_keep_their_values(tmp_path):
+    from safetensors.torch import save_file
+
+    from meshd.runtime.loader import ALIGNMENT
+
+    model_dir = tmp_path / "odd"
+    model_dir.mkdir()
+    stored = {"a": torch.arange(7, dtype=torch.float32), "b": torch.randn(3, 5).to(torch.bfloat16),
+              "c": torch.arange(5, dtype=torch.int64), "d": torch.randn(33, 17), "e": torch.tensor(2.5),
+              "f": torch.zeros(0, 4)}
+    save_file(stored, model_dir / "model.safetensors")
+    index = SafetensorsIndex(model_dir)
+    for name, original in stored.items():
+        loaded = index.load([name], original.dtype)[name]
+        assert loaded.dtype == original.dtype and loaded.shape == original.shape and torch.equal(loaded, original)
+        assert loaded.numel() == 0 or loaded.data_ptr() % ALIGNMENT == 0, name
+    upcast = index.load(["b"], torch.float32)["b"]
+    assert torch.equal(upcast, stored["b"].float()) and upcast.data_ptr() % ALIGNMENT == 0
+
+
+def test_every_weight_of_a_shard_starts_on_a_cache_line(tiny_model):
+    from meshd.runtime.loader import ALIGNMENT
+
+    info = describe_model(tiny_model)
+    for shard in (Shard(tiny_model, 0, 4), Shard(tiny_model, 1, 3, manifest=info.manifest)):
+        misplaced = [name for name, w in shard.weight_tensors() if w.data_ptr() % ALIGNMENT]
+        assert not misplaced
+
+
+def test_weights_off_a_cache_line_are_moved_onto_one_and_ties_kept():
+    from meshd.runtime.loader import ALIGNMENT, aligned_weights
+
+    backing = torch.randn(4 + 6 * 8 + 8)  # the first tensor starts 16 bytes into a 64-byte aligned block
+    first = torch.nn.Linear(8, 6, bias=False)
+    first.weight = torch.nn.Parameter(backing[4:52].view(6, 8), requires_grad=False)
+    second = torch.nn.Linear(8, 6, bias=False)
+    second.weight = first.weight  # tied, as an LM head to its embedding
+    model = torch.nn.Sequential(first, second)
+    model.register_buffer("scale", backing[5:9])
+    assert first.weight.data_ptr() % ALIGNMENT and model.scale.data_ptr() % ALIGNMENT
+    values = (first.weight.detach().clone(), model.scale.clone())
+    assert aligned_weights(model) == 2
+    assert first.weight.data_ptr() % ALIGNMENT == 0 and model.scale.data_ptr() % ALIGNMENT == 0
+    assert second.weight is first.weight
+    assert torch.equal(first.weight, values[0]) and torch.equal(model.scale, values[1])
+    assert aligned_weights(model) == 0

@@ -53,7 +53,9 @@ class Baseline:
     between meshes, so that every mesh is compared with a baseline taken next to it in time). With
     ``int8``, its linears compute as the peers' do at ``--dtype int8`` (:mod:`meshd.runtime.int8`); with
     ``numerics``, as peers of that class do where their kernels are not torch's own
-    (:func:`meshd.runtime.numerics.linears_like`), so that its tokens compare like with like."""
+    (:func:`meshd.runtime.numerics.linears_like`), so that its tokens compare like with like, over
+    weights that start on a cache line as the peers' do (:func:`meshd.runtime.loader.aligned_weights`),
+    so that its speed does too."""
 
     def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None,
                  int8: bool = False, numerics: Numerics | None = None) -> None:
@@ -61,9 +63,12 @@ class Baseline:
         from transformers import AutoModelForCausalLM
 
         from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
+        from meshd.runtime.loader import aligned_weights
 
         self.numerics = numerics
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+        if numerics is not None:
+            aligned_weights(self.model)
         if int8:
             quantize_linears(self.model)
             release_freed_memory()

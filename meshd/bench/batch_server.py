@@ -155,8 +155,9 @@ class ThreadedServer:
 
 
 class OneProcessServer(ThreadedServer):
-    """The model loaded once with transformers, serving in static batches; with ``numerics`` of int8
-    weights, its linears are int8 as the peers' are."""
+    """The model loaded once with transformers, serving in static batches; with ``numerics``, its
+    weights start on a cache line as the peers' do, and with ``numerics`` of int8 weights, its linears
+    are int8 as the peers' are."""
 
     def __init__(self, model_dir: Path, dtype: Any, threads: int, warm_up: bool = True,
                  numerics: Numerics | None = None) -> None:
@@ -172,8 +173,11 @@ class OneProcessServer(ThreadedServer):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         from meshd.runtime.int8 import quantize_linears, release_freed_memory
+        from meshd.runtime.loader import aligned_weights
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        if self.numerics is not None:
+            aligned_weights(model)
         if self.numerics is not None and self.numerics.int8:  # as the peers' (and the bench baseline's) int8
             quantize_linears(model)
             release_freed_memory()

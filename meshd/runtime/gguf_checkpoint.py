@@ -139,6 +139,9 @@ class GgufIndex:
                 raise ModelFormatError(f"tensor {t.name!r} is stored as {t.tensor_type.name}, which meshd "
                                        "cannot dequantize") from None
             weights = self.processor.process(weights, str(t.name)).weights
-            # a copy: the reader's arrays are read-only views of the mapped file
-            out[name] = torch.from_numpy(np.array(weights, dtype=np.float32)).to(dtype=dtype, device=device)
+            # a copy, into torch's memory (see loader.ALIGNMENT): the reader's arrays are read-only
+            # views of the mapped file
+            tensor = torch.empty(weights.shape, dtype=torch.float32)
+            np.copyto(tensor.numpy(), weights)
+            out[name] = tensor.to(dtype=dtype, device=device)
         return out
