@@ -133,6 +133,13 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     assert set(report["ttft_ms"]) == {"baseline", "1", "2"} and all(v > 0 for v in report["ttft_ms"].values())
     assert set(report["aggregate_tok_s"]) == {"1", "2"} and all(v > 0 for v in report["aggregate_tok_s"].values())
     assert report["batching_gain_concurrency"] == 2
+    # the ceiling at the same batch, measured on either side of the largest mesh, and the ratio to their mean
+    before, after = report["ceiling_runs_tok_s"]["2"]
+    assert before > 0 and after > 0 and report["ceiling_tok_s"]["2"] == pytest.approx((before + after) / 2, abs=0.01)
+    assert report["ceiling_ratio"]["2"] == pytest.approx(
+        report["aggregate_tok_s"]["2"] / report["ceiling_tok_s"]["2"], rel=0.01)
+    assert "one process, batched generate() before the mesh: batch 2: " in run.stderr
+    assert "one process, batched generate() after the mesh: batch 2: " in run.stderr
     assert len(report["batches"]) == 2 and all(b["decode_steps"] > 0 for b in report["batches"])
     assert all(sum(b["prefill_runs"].values()) > 0 for b in report["batches"])
     assert "hop 1 prefill computes (prompts' chunks computed together: count) " in run.stdout

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
@@ -87,7 +87,9 @@ class MeshResult:
     numerics: str = ""
     texts: list[str] = field(default_factory=list)  # what each single-session run answered
     aggregate_tok_s: dict[int, float] = field(default_factory=dict)
-    ceiling_tok_s: dict[int, float] = field(default_factory=dict)  # one process, batched generate(), batch c
+    # one process, batched generate() at batch c: the mean of its runs just before and just after the mesh
+    ceiling_tok_s: dict[int, float] = field(default_factory=dict)
+    ceiling_runs_tok_s: dict[int, list[float]] = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
     compute_share: dict[int, dict] = field(default_factory=dict)  # per concurrency: the hops' compute / wall
     route: dict = field(default_factory=dict)  # the route the entry plans after the runs, with its cost terms
@@ -136,6 +138,11 @@ def resolve_gguf(spec: str, quant: str, say: Say) -> Path:
 
 class _Measures(Protocol):
     def measure(self, runs: int) -> BaselineResult: ...
+
+
+@runtime_checkable
+class _Batches(Protocol):
+    def batched_tok_s(self, batch: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -200,15 +207,17 @@ def _bracketed_meshes(setups: list[Setup], model: Path, model_id: str, n_layers:
                     if setup.reference != last:
                         measured.append(ref.base.measure(cfg.runs))
                         last = setup.reference
+                    batched = ref.base if isinstance(ref.base, _Batches) else None  # llama.cpp's has no ceiling
+                    batches = [c for c in levels if c > 1]
+                    before = _ceiling(batched, batches, "before the mesh", say)
                     if label:
                         say(f"{label}: mesh of {k}")
                     mesh = _measure_mesh(model, model_id, k, even_ranges(n_layers, k), prompt, ref.expected,
                                          measured[0], cfg, workdir / f"{_slug(label) + '-' if label else ''}peers{k}",
                                          levels, say, setup)
-                    if levels and hasattr(ref.base, "batched_tok_s"):
-                        mesh.ceiling_tok_s = {c: ref.base.batched_tok_s(c) for c in levels if c > 1}
-                        say("one process, batched generate(): " + ", ".join(
-                            f"batch {c}: {v:.2f} tok/s" for c, v in mesh.ceiling_tok_s.items()))
+                    after = _ceiling(batched, batches, "after the mesh", say)
+                    mesh.ceiling_runs_tok_s = {c: [before[c], after[c]] for c in before}
+                    mesh.ceiling_tok_s = {c: (before[c] + after[c]) / 2 for c in before}
                     measured.append(ref.base.measure(cfg.runs))
                     mesh.baseline_tok_s = measured[-2].runs_tok_s + measured[-1].runs_tok_s
                     say(f"baseline: {measured[-1].decode_tok_s:.2f} tok/s")
@@ -220,6 +229,18 @@ def _bracketed_meshes(setups: list[Setup], model: Path, model_id: str, n_layers:
     if cfg.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     return out
+
+
+def _ceiling(base: _Batches | None, batches: list[int], when: str, say: Say) -> dict[int, float]:
+    """One process's batched ``generate()`` at each batch size, measured on either side of a mesh so that
+    its concurrent aggregate is compared with the mean of the two, as its single session is with the
+    baseline runs around it: the machine's speed drifts by several percent within minutes."""
+    if base is None or not batches:
+        return {}
+    measured = {c: base.batched_tok_s(c) for c in batches}
+    say(f"one process, batched generate() {when}: " + ", ".join(f"batch {c}: {v:.2f} tok/s"
+                                                            for c, v in measured.items()))
+    return measured
 
 
 def _slug(label: str) -> str:
