@@ -385,3 +385,81 @@ async def test_redials_after_the_connection_is_killed(server_identity, client_id
             assert await client.request(server_identity.peer_id, address, "/e", b"2") == b"2"
             assert client._outbound[server_identity.peer_id] is not first
             await wait_until(lambda: server.inbound_connection_count == 1)
+
+
+# -- streams to this very peer ----------------------------------------------------------------
+
+
+async def test_a_stream_to_itself_stays_in_memory_with_its_headers(server_identity):
+    seen = []
+
+    async def handler(stream):
+        seen.append((stream.peer_id, stream.path, dict(stream.headers)))
+        await echo(stream)
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(server_identity, handler) as server:
+            server.stream_headers["meshd-membership"] = "card"
+            own = server_identity.peer_id
+            stream = await server.open_stream(own, Address(HOST, server.listen_port), "/seam", {"x-kind": "seam"})
+            for message in (b"one", b"", b"three" * 1000):
+                await stream.send_message(message)
+                assert await stream.receive_message() == message
+            await stream.end()
+            assert await stream.receive_message() is None
+            assert await server.request(own, Address(HOST, server.listen_port), "/rpc", b"ask") == b"ask"
+            # no connection was dialled or accepted: no TLS, HTTP/2 or socket carried any of it
+            assert server.connection_count == server.inbound_connection_count == 0
+    assert seen == [(own, "/seam", {"meshd-membership": "card", "x-kind": "seam"}),
+                    (own, "/rpc", {"meshd-membership": "card"})]
+
+
+async def test_a_stream_to_itself_keeps_the_limits_and_failures_of_a_real_one(server_identity, caplog):
+    async def handler(stream):
+        if stream.path == "/boom":
+            raise RuntimeError("boom")
+        if stream.path == "/quiet":
+            return  # a handler that returns without answering ends its side
+        await echo(stream)
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(server_identity, handler, max_message_bytes=1024) as server:
+            own, address = server_identity.peer_id, Address(HOST, server.listen_port)
+            stream = await server.open_stream(own, address, "/e")
+            with pytest.raises(MessageTooLarge):
+                await stream.send_message(b"x" * 1025)
+            await stream.send_message(b"x" * 1024)
+            assert await stream.receive_message() == b"x" * 1024
+            await stream.aclose()
+
+            boom = await server.open_stream(own, address, "/boom")
+            with pytest.raises(StreamReset) as reset:
+                await boom.receive_message()
+            assert reset.value.error_code == ErrorCodes.INTERNAL_ERROR
+            assert any("handler for own stream /boom failed" in r.getMessage() for r in caplog.records)
+
+            quiet = await server.open_stream(own, address, "/quiet")
+            assert await quiet.receive_message() is None
+            assert await server.request(own, address, "/echo", b"still here") == b"still here"
+
+
+async def test_a_stream_to_itself_breaks_when_the_peer_stops_serving(server_identity):
+    with trio.fail_after(TEST_TIMEOUT):
+        async with Transport(server_identity) as transport:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(transport.serve, Address(HOST, 0), echo)
+                address = Address(HOST, transport.listen_port)
+                stream = await transport.open_stream(server_identity.peer_id, address, "/e")
+                await stream.send_message(b"before")
+                assert await stream.receive_message() == b"before"
+
+                async def stop_soon():
+                    await trio.sleep(0.05)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(stop_soon)
+                with pytest.raises(StreamReset):  # not left waiting for a handler that is gone
+                    await stream.receive_message()
+            # no longer serving: a stream to itself is dialled as to anyone (and nobody answers now)
+            with pytest.raises(TransportError):
+                await transport.open_stream(server_identity.peer_id, address, "/e")

@@ -1,4 +1,5 @@
-"""Peers in one process, joined by in-memory message streams: the transport of in-process tests.
+"""Peers in one process, joined by in-memory message streams: the transport of in-process tests, and
+of a peer's streams to itself (:class:`~meshd.transport.transport.Transport` keeps a network of one).
 
 :class:`MemoryNetwork` gives each joined peer a :class:`MemoryOpener` (a
 :class:`~meshd.transport.streams.StreamOpener`) and runs the handler of the peer being dialled in
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import trio
@@ -47,8 +49,10 @@ class MemoryStream:
 
     def __init__(self, network: MemoryNetwork, peer_id: str, path: str, owner: str,
                  inbox: trio.MemoryReceiveChannel[bytes | _Reset | None],
-                 outbox: trio.MemorySendChannel[bytes | _Reset | None]) -> None:
+                 outbox: trio.MemorySendChannel[bytes | _Reset | None],
+                 headers: dict[str, str] | None = None) -> None:
         self._network = network
+        self.headers = headers or {}  # what the opener sent with it, as a real stream's request headers
         self._peer_id = peer_id
         self._path = path
         self.owner = owner
@@ -63,6 +67,16 @@ class MemoryStream:
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    async def __aenter__(self) -> MemoryStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (message := await self.receive_message()) is not None:
+            yield message
 
     @property
     def path(self) -> str:
@@ -119,6 +133,15 @@ class MemoryStream:
         if not (self._local_ended and self._remote_ended):
             await self.reset(ErrorCodes.CANCEL)
 
+    async def finish(self) -> None:
+        """After the handler of this end returns: end its side, and stop a dialler still sending."""
+        if self._reset is not None:
+            return
+        if not self._local_ended:
+            await self.end()
+        if not self._remote_ended:
+            self.break_now(ErrorCodes.NO_ERROR, "responder finished", notify=True)
+
     # -- internals ------------------------------------------------------------------------------
 
     def break_now(self, error_code: int, reason: str, *, notify: bool) -> None:
@@ -165,13 +188,13 @@ class MemoryOpener:
     async def open_stream(self, peer_id: str | None, address: Address | str, path: str,
                           headers: dict[str, str] | None = None) -> MemoryStream:
         await trio.lowlevel.checkpoint()
-        return self.network.connect(self.peer_id, peer_id, Address.coerce(address), path)
+        return self.network.connect(self.peer_id, peer_id, Address.coerce(address), path, headers)
 
     async def request(self, peer_id: str | None, address: Address | str, path: str, body: bytes,
                       timeout: float = 30.0, headers: dict[str, str] | None = None) -> bytes:
         try:
             with trio.fail_after(timeout):
-                stream = await self.open_stream(peer_id, address, path)
+                stream = await self.open_stream(peer_id, address, path, headers)
                 await stream.send_message(body)
                 await stream.end()
                 reply = await stream.receive_message()
@@ -218,7 +241,8 @@ class MemoryNetwork:
         if nursery is not None:
             member.nursery = nursery
 
-    def connect(self, dialler: str, expected: str | None, address: Address, path: str) -> MemoryStream:
+    def connect(self, dialler: str, expected: str | None, address: Address, path: str,
+                headers: dict[str, str] | None = None) -> MemoryStream:
         if not self.is_alive(dialler):
             raise TransportError(f"{dialler} is not on the network")
         target_id = self._by_address.get(address.endpoint if not address.relay else address)
@@ -230,7 +254,7 @@ class MemoryNetwork:
         to_target, target_inbox = trio.open_memory_channel[bytes | _Reset | None](math.inf)
         to_dialler, dialler_inbox = trio.open_memory_channel[bytes | _Reset | None](math.inf)
         near = MemoryStream(self, target.peer_id, path, dialler, dialler_inbox, to_target)
-        far = MemoryStream(self, dialler, path, target.peer_id, target_inbox, to_dialler)
+        far = MemoryStream(self, dialler, path, target.peer_id, target_inbox, to_dialler, headers)
         near.other, far.other = far, near
         self._members[dialler].streams.add(near)
         target.streams.add(far)

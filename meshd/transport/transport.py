@@ -15,19 +15,26 @@ from types import TracebackType
 from typing import Any
 
 import trio
+from h2.errors import ErrorCodes
 from trio_websocket import HandshakeError
 
 from meshd.address import Address, AddressError
 from meshd.identity import Identity
 from meshd.links.stream import ShapedStream
 from meshd.transport.config import TransportConfig
-from meshd.transport.connection import Connection, Handler, Stream
+from meshd.transport.connection import Connection
 from meshd.transport.errors import PeerAuthError, TransportError
 from meshd.transport.handshake import client_handshake, server_handshake
+from meshd.transport.memory import MemoryNetwork, MemoryOpener, MemoryStream
 from meshd.transport.relay import dial as relay_dial
+from meshd.transport.streams import MessageStream, StreamHandler
 from meshd.transport.tls import Certificate, client_context, make_certificate, server_context
 
 logger = logging.getLogger("meshd.transport")
+
+# Where this peer's streams to itself are dialled on its in-memory loopback (never a real address).
+_OWN = Address.coerce("127.0.0.1:1")
+
 
 class Transport:
     """This peer's end of the mesh transport.
@@ -57,6 +64,7 @@ class Transport:
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._links_shaped = 0
+        self._own: MemoryOpener | None = None  # opens streams to this very peer in memory, while it serves
 
     async def __aenter__(self) -> Transport:
         self._exit_stack = contextlib.AsyncExitStack()
@@ -88,7 +96,7 @@ class Transport:
     async def serve(
         self,
         listen: Address | str,
-        handler: Handler,
+        handler: StreamHandler,
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -103,8 +111,14 @@ class Transport:
         logger.info("serving peer transport on %s as %s", listen.with_port(self.listen_port), self.identity.peer_id)
         with trio.CancelScope() as scope:
             self._serve_scopes.add(scope)
+            own = MemoryNetwork(self.config.max_message_bytes)
             try:
                 async with trio.open_nursery() as nursery:
+                    async def serve_own(stream: MessageStream) -> None:
+                        assert isinstance(stream, MemoryStream)
+                        await _serve_own(handler, stream)
+
+                    self._own = own.join(self.identity.peer_id, _OWN, serve_own, nursery)
                     task_status.started(self.listen_port)
 
                     async def accept(tcp: trio.SocketStream) -> None:
@@ -113,6 +127,9 @@ class Transport:
                     await nursery.start(trio.serve_listeners, accept, listeners)
             finally:
                 self._serve_scopes.discard(scope)
+                own.kill(self.identity.peer_id)  # a stream to itself left open breaks, as a dropped connection's do
+                if self._own is not None and self._own.network is own:
+                    self._own = None
 
     def _server_identity(self) -> tuple[Certificate, ssl.SSLContext]:
         if self._certificate is None or self._server_context is None:
@@ -120,7 +137,7 @@ class Transport:
             self._server_context = server_context(self._certificate)
         return self._certificate, self._server_context
 
-    async def accept_stream(self, stream: trio.abc.Stream, handler: Handler, remote: str) -> None:
+    async def accept_stream(self, stream: trio.abc.Stream, handler: StreamHandler, remote: str) -> None:
         """Serve one inbound connection arriving on any byte stream (a relay circuit, say) until it ends.
 
         Exactly what a TCP accept does: TLS, client authentication, then HTTP/2 with ``handler``.
@@ -142,12 +159,13 @@ class Transport:
         return ShapedStream(stream, self.config.link_shape, nursery, seed=self._links_shaped)
 
     def _unshape_if_own(self, stream: trio.abc.Stream, peer_id: str) -> None:
-        """A connection to this very peer (an entry that is also the head of its route) crosses no
-        link: once authenticated, its bytes go straight through."""
+        """A connection to this very peer (its own address dialled unnamed, say as a bootstrap address,
+        or a stream to itself while it serves nothing) crosses no link: once authenticated, its bytes
+        go straight through."""
         if peer_id == self.identity.peer_id and isinstance(stream, ShapedStream):
             stream.stop_shaping()
 
-    async def _accept(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes, handler: Handler,
+    async def _accept(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes, handler: StreamHandler,
                       remote: str | None = None) -> None:
         remote = remote or _describe(tcp)
         if self.config.link_shape is None:
@@ -161,7 +179,7 @@ class Transport:
                 await trio.aclose_forcefully(shaped)
 
     async def _serve_inbound(self, tcp: trio.abc.Stream, context: ssl.SSLContext, cert_der: bytes,
-                             handler: Handler, remote: str) -> None:
+                             handler: StreamHandler, remote: str) -> None:
         host = remote.rsplit(":", 1)[0]
         cfg = self.config
         # A connection costs memory from its first byte: bound how many may be authenticating, from
@@ -219,16 +237,23 @@ class Transport:
 
     async def open_stream(
         self, peer_id: str | None, address: Address | str, path: str, headers: dict[str, str] | None = None
-    ) -> Stream:
+    ) -> MessageStream:
         """Open a stream to a peer, reusing its live connection or dialling a new one.
 
         ``peer_id`` is the identity the peer must prove; ``None`` accepts whoever answers (the
         proven id is then ``stream.peer_id``). ``address`` is direct or a relay address (a relay
         needs ``peer_id``). A live relayed connection is replaced by a direct one as soon as the
         caller names a direct address for that peer.
+
+        A stream to this very peer (an entry that is also the head or the tail of its route), while
+        it serves, stays in memory: the same handler serves it, with no TLS, HTTP/2 or socket in
+        between, which would only cost its event loop time on every token.
         """
+        all_headers = {**self.stream_headers, **(headers or {})}
+        if peer_id == self.identity.peer_id and self._own is not None:
+            return await self._own.open_stream(peer_id, _OWN, path, all_headers)
         connection = await self._connection(peer_id, address)
-        return await connection.open_stream(path, {**self.stream_headers, **(headers or {})})
+        return await connection.open_stream(path, all_headers)
 
     async def request(
         self,
@@ -240,9 +265,12 @@ class Transport:
         headers: dict[str, str] | None = None,
     ) -> bytes:
         """Send one message, end our side, and return the peer's one reply message."""
+        all_headers = {**self.stream_headers, **(headers or {})}
+        if peer_id == self.identity.peer_id and self._own is not None:
+            return await self._own.request(peer_id, _OWN, path, body, timeout, all_headers)
         try:
             with trio.fail_after(timeout):
-                stream = await self.open_stream(peer_id, address, path, headers)
+                stream = await (await self._connection(peer_id, address)).open_stream(path, all_headers)
                 async with stream:
                     await stream.send_message(body)
                     await stream.end()
@@ -360,6 +388,22 @@ class Transport:
         async with trio.open_nursery() as nursery:
             for connection in connections:
                 nursery.start_soon(connection.aclose)
+
+
+async def _serve_own(handler: StreamHandler, stream: MemoryStream) -> None:
+    """Run the handler of a stream to this very peer as a connection runs one it accepted: a handler
+    that fails resets its stream (the rest of the peer goes on), and one that returns ends its side."""
+    try:
+        await handler(stream)
+    except TransportError as exc:
+        logger.debug("handler for own stream %s stopped: %s", stream.path, exc)
+        stream.break_now(ErrorCodes.CANCEL, "handler stopped on a transport error", notify=True)
+        return
+    except Exception:
+        logger.exception("handler for own stream %s failed", stream.path)
+        stream.break_now(ErrorCodes.INTERNAL_ERROR, "handler raised", notify=True)
+        return
+    await stream.finish()
 
 
 async def _retire(connection: Connection) -> None:
