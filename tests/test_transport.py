@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from meshd.address import Address
 from meshd.identity import Identity
@@ -444,22 +445,26 @@ async def test_a_stream_to_itself_keeps_the_limits_and_failures_of_a_real_one(se
 
 
 async def test_a_stream_to_itself_breaks_when_the_peer_stops_serving(server_identity):
+    serving_scope = trio.CancelScope()
+
+    async def serve(task_status=trio.TASK_STATUS_IGNORED):
+        with serving_scope:
+            await transport.serve(Address(HOST, 0), echo, task_status=task_status)
+
+    async def stop_serving_once_all_wait():
+        await trio.testing.wait_all_tasks_blocked()  # the reader below is waiting for its echo
+        serving_scope.cancel()
+
     with trio.fail_after(TEST_TIMEOUT):
-        async with Transport(server_identity) as transport:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(transport.serve, Address(HOST, 0), echo)
-                address = Address(HOST, transport.listen_port)
-                stream = await transport.open_stream(server_identity.peer_id, address, "/e")
-                await stream.send_message(b"before")
-                assert await stream.receive_message() == b"before"
-
-                async def stop_soon():
-                    await trio.sleep(0.05)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(stop_soon)
-                with pytest.raises(StreamReset):  # not left waiting for a handler that is gone
-                    await stream.receive_message()
+        async with Transport(server_identity) as transport, trio.open_nursery() as nursery:
+            await nursery.start(serve)
+            address = Address(HOST, transport.listen_port)
+            stream = await transport.open_stream(server_identity.peer_id, address, "/e")
+            await stream.send_message(b"before")
+            assert await stream.receive_message() == b"before"
+            nursery.start_soon(stop_serving_once_all_wait)
+            with pytest.raises(StreamReset):  # not left waiting for a handler that is gone
+                await stream.receive_message()
             # no longer serving: a stream to itself is dialled as to anyone (and nobody answers now)
             with pytest.raises(TransportError):
                 await transport.open_stream(server_identity.peer_id, address, "/e")
