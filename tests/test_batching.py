@@ -529,30 +529,62 @@ async def _later(delay, fn, *args):
     await fn(*args)
 
 
-def test_the_machine_counts_as_shared_while_other_processes_fill_its_cores(monkeypatch):
+def _machine(monkeypatch, cpus: int, allowed: tuple[int, ...]):
+    """A fake machine of ``cpus`` CPUs whose busy times the test sets, this process allowed on
+    ``allowed`` (empty: the platform does not say)."""
     from types import SimpleNamespace
 
     from meshd.runtime import machine_share
 
-    now = [0.0]
-    machine = {"busy": 0.0}
+    busy = [0.0] * cpus
     own = {"user": 0.0}
-    monkeypatch.setattr(machine_share.psutil, "cpu_times", lambda: SimpleNamespace(
-        user=machine["busy"], nice=0.0, system=0.0, irq=0.0, softirq=0.0, steal=0.0, idle=0.0))
-    monkeypatch.setattr(machine_share.psutil, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machine_share.psutil, "cpu_times", lambda percpu: [SimpleNamespace(
+        user=b, nice=0.0, system=0.0, irq=0.0, softirq=0.0, steal=0.0, idle=0.0) for b in busy])
+    monkeypatch.setattr(machine_share, "_allowed_cpus", lambda: allowed)
 
     class _Process:
         def cpu_times(self):
             return SimpleNamespace(user=own["user"], system=0.0)
 
     monkeypatch.setattr(machine_share.psutil, "Process", _Process)
+    return busy, own
+
+
+def test_the_machine_counts_as_shared_while_other_processes_fill_its_cores(monkeypatch):
+    from meshd.runtime import machine_share
+
+    now = [0.0]
+    busy, own = _machine(monkeypatch, 2, ())
     share = machine_share.MachineShare(sample_s=1.0, clock=lambda: now[0])
     assert share() is True and share.others is None  # nothing known yet: one wave is never wrong
-    now[0], machine["busy"], own["user"] = 1.0, 0.5, 0.45  # only this process computed
+    now[0], busy[0], own["user"] = 1.0, 0.5, 0.45  # only this process computed
     assert share() is False and share.others == pytest.approx(0.025)
     for t in range(2, 6):  # others keep 1.5 of the 2 CPUs busy
-        now[0], machine["busy"], own["user"] = float(t), machine["busy"] + 1.8, own["user"] + 0.3
+        now[0], busy[0], busy[1], own["user"] = float(t), busy[0] + 0.9, busy[1] + 0.9, own["user"] + 0.3
     share._read(now[0])
+    assert share() is True and share.others > 0.25
+
+
+def test_a_process_pinned_to_some_cpus_counts_only_the_work_on_them(monkeypatch):
+    """Three hops pinned to their own pairs of a large machine's cores do not share; a process on the
+    pinned pair does."""
+    from meshd.runtime import machine_share
+
+    now = [0.0]
+    busy, own = _machine(monkeypatch, 6, (2, 3))
+    share = machine_share.MachineShare(sample_s=1.0, clock=lambda: now[0])
+    share()
+    for t in range(1, 5):  # this process fills CPUs 2 and 3, the other hops fill 0, 1, 4 and 5
+        now[0], own["user"] = float(t), own["user"] + 1.8
+        for cpu in range(6):
+            busy[cpu] += 0.9
+        share._read(now[0])
+    assert share() is False and share.others == pytest.approx(0.0)
+    for t in range(5, 9):  # another process on the pair takes 0.8 of its CPU time from this one
+        now[0], own["user"] = float(t), own["user"] + 1.0
+        for cpu in range(6):
+            busy[cpu] += 0.9
+        share._read(now[0])
     assert share() is True and share.others > 0.25
 
 

@@ -6,10 +6,13 @@ between waves, and several waves keep each of them busy. A hop tells the two apa
 CPU counters: the machine's busy CPU time less this process's own, over the wall time and the CPU
 count. On a shared machine the other hops fill the cores while this one waits; on a machine of its
 own, next to nothing does. Any other heavy work counts the same, and should: it competes too.
+Only the CPUs this process may run on count: a peer pinned to some of a large machine's cores (by a
+service's CPU affinity, say) competes with work on those cores alone.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -32,8 +35,8 @@ class MachineShare:
         self._threshold = threshold
         self._clock = clock
         self._process = psutil.Process()
-        self._cpus = psutil.cpu_count() or 1
-        self._last: tuple[float, float, float] | None = None  # wall, machine busy, own
+        self._last: tuple[float, float, float] | None = None  # wall, busy time of its CPUs, own
+        self._cpus: tuple[int, ...] = ()  # the CPUs the last reading counted
         self.others: float | None = None  # smoothed share of all CPUs used by other processes
 
     def __call__(self) -> bool:
@@ -43,12 +46,21 @@ class MachineShare:
         return self.others is None or self.others > self._threshold
 
     def _read(self, now: float) -> None:
-        machine = psutil.cpu_times()
-        busy = sum(getattr(machine, name, 0.0) for name in BUSY_FIELDS)
+        per_cpu = psutil.cpu_times(percpu=True)
+        cpus = tuple(cpu for cpu in _allowed_cpus() if cpu < len(per_cpu)) or tuple(range(len(per_cpu)))
+        busy = sum(getattr(per_cpu[cpu], name, 0.0) for cpu in cpus for name in BUSY_FIELDS)
         own_times = self._process.cpu_times()
         own = own_times.user + own_times.system
-        if self._last is not None:
+        if self._last is not None and cpus == self._cpus:  # a changed affinity starts a new window
             wall = now - self._last[0]
-            share = max(0.0, (busy - self._last[1]) - (own - self._last[2])) / (wall * self._cpus)
+            share = max(0.0, (busy - self._last[1]) - (own - self._last[2])) / (wall * len(cpus))
             self.others = share if self.others is None else self.others + SMOOTHING * (share - self.others)
         self._last = (now, busy, own)
+        self._cpus = cpus
+
+
+def _allowed_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on, or none where the platform does not say (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return ()
