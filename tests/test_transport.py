@@ -468,3 +468,71 @@ async def test_a_stream_to_itself_breaks_when_the_peer_stops_serving(server_iden
             # no longer serving: a stream to itself is dialled as to anyone (and nobody answers now)
             with pytest.raises(TransportError):
                 await transport.open_stream(server_identity.peer_id, address, "/e")
+
+
+async def test_a_stream_to_itself_holds_at_most_a_window_of_unread_messages(server_identity):
+    """As on a connection, a sender waits while its reader holds a stream window unread; a message
+    larger than the window still goes once nothing is unread."""
+    window = 64 * 1024
+    release = trio.Event()
+    streams = []
+
+    async def slow_reader(stream):
+        streams.append(stream)
+        await release.wait()
+        got = [message async for message in stream]
+        await stream.send_message(LENGTH_PREFIX.pack(sum(map(len, got))))
+
+    sent = []
+
+    async def send_all(stream, messages):
+        for message in messages:
+            await stream.send_message(message)
+            sent.append(len(message))
+        await stream.end()
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(server_identity, slow_reader, stream_window=window) as server:
+            stream = await server.open_stream(server_identity.peer_id, Address(HOST, server.listen_port), "/slow")
+            messages = [b"a" * 20_000] * 10 + [b"b" * (3 * window)]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all, stream, messages)
+                await trio.testing.wait_all_tasks_blocked()
+                assert sent == [20_000] * 3  # a fourth would pass the window: the sender waits
+                assert streams[0]._unread == 60_000
+                release.set()
+            assert sent == [len(m) for m in messages]
+            assert await stream.receive_message() == LENGTH_PREFIX.pack(sum(sent))
+
+
+async def test_a_sender_waiting_for_window_is_released_when_the_stream_breaks(server_identity):
+    window = 64 * 1024
+    stop_reading = trio.Event()
+
+    async def never_reads(stream):
+        await stop_reading.wait()
+        await stream.reset()
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(server_identity, never_reads, stream_window=window) as server:
+            address = Address(HOST, server.listen_port)
+            stream = await server.open_stream(server_identity.peer_id, address, "/stuck")
+            await stream.send_message(b"x" * window)
+
+            async def reset_once_it_waits():
+                await trio.testing.wait_all_tasks_blocked()
+                await stream.reset()  # this end gives up: its own waiting send fails
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reset_once_it_waits)
+                with pytest.raises(StreamReset):
+                    await stream.send_message(b"y")
+
+            other = await server.open_stream(server_identity.peer_id, address, "/stuck")
+            await other.send_message(b"x" * window)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other.send_message, b"y")
+                await trio.testing.wait_all_tasks_blocked()
+                stop_reading.set()  # the reader resets: the waiting send is let go, and goes nowhere
+            with pytest.raises(StreamReset):
+                await other.receive_message()

@@ -6,9 +6,10 @@ of a peer's streams to itself (:class:`~meshd.transport.transport.Transport` kee
 that peer's own nursery, exactly as the real transport runs one handler task per incoming stream.
 Streams behave like the real ones where the planes above can tell: messages in order, a clean end
 is ``None`` once read, a reset raises :class:`~meshd.transport.errors.StreamReset` on the other side,
-and the same message size limit applies. :meth:`MemoryNetwork.kill` takes a peer off the network
-the way a dead process leaves it: its streams break at once, nothing it still sends arrives, and
-dialling it fails. With Trio's ``MockClock`` the whole mesh then runs on a fake clock.
+the same message size limit applies, and a sender waits while its reader holds a stream window of
+messages unread (a message goes whatever its size when nothing is unread). :meth:`MemoryNetwork.kill`
+takes a peer off the network the way a dead process leaves it: its streams break at once, nothing it
+still sends arrives, and dialling it fails. With Trio's ``MockClock`` the whole mesh then runs on a fake clock.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import trio
 from h2.errors import ErrorCodes
 
 from meshd.address import Address
+from meshd.transport.config import TransportConfig
 from meshd.transport.errors import MessageTooLarge, PeerAuthError, StreamReset, TransportError
 from meshd.transport.framing import DEFAULT_MAX_MESSAGE_BYTES
 from meshd.transport.streams import StreamHandler
@@ -63,6 +65,8 @@ class MemoryStream:
         self._remote_ended = False
         self._reset: StreamReset | None = None
         self._max_message_bytes: int | None = None
+        self._unread = 0  # bytes of messages in this end's inbox
+        self._read_some = trio.lowlevel.ParkingLot()  # the other end's sender, waiting for window
 
     @property
     def peer_id(self) -> str:
@@ -90,7 +94,15 @@ class MemoryStream:
         self._raise_if_reset()
         if self._local_ended:
             raise TransportError(f"stream {self._path!r} to {self._peer_id} already ended")
+        while (other := self.other) is not None and other.holds_a_window_with(len(payload)):
+            await other._read_some.park()
+            self._raise_if_reset()
         self._deliver(bytes(payload))
+
+    def holds_a_window_with(self, size: int) -> bool:
+        """Whether this end, still reading, would hold more than a stream window unread with ``size``
+        bytes more."""
+        return self._reset is None and self._unread > 0 and self._unread + size > self._network.stream_window
 
     async def receive_message(self) -> bytes | None:
         self._raise_if_reset()
@@ -109,6 +121,8 @@ class MemoryStream:
             self._remote_ended = True
             self._maybe_forget()
             return None
+        self._unread -= len(item)
+        self._read_some.unpark_all()
         if self._max_message_bytes is not None and len(item) > self._max_message_bytes:
             self.break_now(ErrorCodes.FRAME_SIZE_ERROR, "message too large", notify=True)
             raise MessageTooLarge(f"a {len(item)}-byte message; this stream takes at most {self._max_message_bytes}")
@@ -152,6 +166,9 @@ class MemoryStream:
         self._reset = StreamReset(error_code, reason)
         if notify:
             self._deliver(_Reset(error_code))
+        self._read_some.unpark_all()  # a sender to this end stops waiting; its messages go nowhere
+        if self.other is not None:
+            self.other._read_some.unpark_all()  # this end's own send fails
         self._forget()
 
     def wake_other(self, item: _Reset) -> None:
@@ -165,6 +182,8 @@ class MemoryStream:
             return  # a dead peer's last words never arrive
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._outbox.send_nowait(item)
+            if isinstance(item, bytes):
+                other._unread += len(item)
 
     def _raise_if_reset(self) -> None:
         if self._reset is not None:
@@ -206,8 +225,10 @@ class MemoryOpener:
 
 
 class MemoryNetwork:
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 stream_window: int = TransportConfig.stream_window) -> None:
         self.max_message_bytes = max_message_bytes
+        self.stream_window = stream_window
         self._members: dict[str, _Member] = {}
         self._by_address: dict[Address, str] = {}
 

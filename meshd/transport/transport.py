@@ -111,7 +111,7 @@ class Transport:
         logger.info("serving peer transport on %s as %s", listen.with_port(self.listen_port), self.identity.peer_id)
         with trio.CancelScope() as scope:
             self._serve_scopes.add(scope)
-            own = MemoryNetwork(self.config.max_message_bytes)
+            own = MemoryNetwork(self.config.max_message_bytes, self.config.stream_window)
             try:
                 async with trio.open_nursery() as nursery:
                     async def serve_own(stream: MessageStream) -> None:
