@@ -14,7 +14,7 @@ import pytest
 
 from meshd.bench.baseline import BaselineResult
 from meshd.bench.report import build_report, format_summary
-from meshd.bench.runner import MeshResult, compute_share
+from meshd.bench.runner import CpuSnapshot, MeshResult, compute_share, cpu_share, cpu_snapshot
 from meshd.bench.wakeup import idle_policy
 from meshd.bench.workload import StreamTiming
 from meshd.models.gguf_export import write_gguf
@@ -35,6 +35,27 @@ def test_the_compute_share_is_what_each_hop_computed_during_the_load_over_its_wa
     assert share == {"hops": [0.4, 0.3], "decode": 0.55, "prefill": 0.15, "summed": 0.7}
     # a hop whose counters were reset meanwhile (a restarted peer) adds nothing rather than a negative share
     assert compute_share(after[:1], before[:1], 10.0)["summed"] == 0.0
+
+
+def test_the_cpu_share_is_the_cpu_time_each_process_and_the_machine_used_over_the_load():
+    before = CpuSnapshot(client=5.0, peers=[100.0, 50.0], machine=1000.0)
+    after = CpuSnapshot(client=6.5, peers=[112.0, 50.0], machine=1018.0)
+    share = cpu_share(before, after, 10.0)
+    assert share["client"] == 0.15 and share["peers"] == [1.2, 0.0] and share["machine"] == 1.8
+    assert share["cpus"] >= 1
+    # a peer that ended meanwhile counts nothing rather than a negative share
+    assert cpu_share(after, before, 10.0)["peers"] == [0.0, 0.0]
+
+
+def test_a_cpu_snapshot_counts_this_process_and_a_peer_that_has_gone_as_nothing_more():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    first = cpu_snapshot([os.getpid(), child.pid])
+    sum(i * i for i in range(300_000))  # some CPU time of this process
+    second = cpu_snapshot([os.getpid(), child.pid])
+    assert second.client > first.client and second.peers[0] > first.peers[0]
+    assert first.peers[1] == second.peers[1] == 0.0
+    assert second.machine >= first.machine
 
 
 def _hop_stats(prefill_compute_ms: float, runs: int) -> dict:
@@ -149,6 +170,11 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
         assert len(share["hops"]) == 2 and all(v > 0 for v in share["hops"]) and share["decode"] > 0
         assert share["summed"] == pytest.approx(sum(share["hops"]), abs=1e-3)
         assert share["summed"] == pytest.approx(share["decode"] + share["prefill"], abs=1e-3)
+    assert set(report["cpu_share"]) == {"1", "2"}
+    for used in report["cpu_share"].values():  # the clients streamed and both peers computed
+        assert used["client"] > 0 and len(used["peers"]) == 2 and all(v > 0 for v in used["peers"])
+        assert used["machine"] >= 0.5 * (used["client"] + sum(used["peers"]))
+    assert "CPUs busy during each load (client + peers of machine's): c=1: " in run.stdout
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):

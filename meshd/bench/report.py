@@ -173,6 +173,7 @@ def build_report(meta: dict, baseline: BaselineResult, meshes: list) -> dict:
                           if c in aggregate and v > 0},
         "batches": largest.batches,
         "compute_share": {str(c): v for c, v in sorted(getattr(largest, "compute_share", {}).items())},
+        "cpu_share": {str(c): v for c, v in sorted(getattr(largest, "cpu_share", {}).items())},
         "peer_rss_mb": {str(m.peers): [_r(v, 1) for v in m.rss_mb] for m in meshes},
         "model_size_mb": _r(baseline.model_bytes / 2**20, 1),
         "baseline_rss_mb": _r(baseline.rss_mb, 1),
@@ -275,6 +276,10 @@ def format_summary(report: dict) -> str:
         lines.append("hops computing, share of the wall time (summed over hops; decode + prefill): " + ", ".join(
             f"c={c}: {v['summed']:.2f} ({v['decode']:.2f} + {v['prefill']:.2f})"
             for c, v in report["compute_share"].items()))
+    if report.get("cpu_share"):
+        lines.append("CPUs busy during each load (client + peers of machine's): " + ", ".join(
+            f"c={c}: {v['client']:.2f} + {'/'.join(f'{p:.2f}' for p in v['peers'])} of {v['machine']:.2f}"
+            f" ({v['cpus']} CPUs)" for c, v in report["cpu_share"].items()))
     for i, batches in enumerate(report.get("batches") or []):
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "

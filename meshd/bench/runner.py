@@ -92,6 +92,7 @@ class MeshResult:
     ceiling_runs_tok_s: dict[int, list[float]] = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)  # each hop's batcher counts over the concurrent runs
     compute_share: dict[int, dict] = field(default_factory=dict)  # per concurrency: the hops' compute / wall
+    cpu_share: dict[int, dict] = field(default_factory=dict)  # per concurrency: CPUs used by client, peers, machine
     route: dict = field(default_factory=dict)  # the route the entry plans after the runs, with its cost terms
 
 
@@ -633,10 +634,12 @@ def _measure_mesh(model_dir: Path, model_id: str, k: int, ranges: list[tuple[int
                 hop.get("/stats?reset=1")
         for c in levels:
             before = [hop.get("/stats")["batches"] for hop in hops]
+            cpu_before = cpu_snapshot([hop.process.pid for hop in hops])
             with ThreadPoolExecutor(max_workers=c) as pool:
                 t0 = time.perf_counter()
                 done = list(pool.map(lambda _i: request(cfg.new_tokens), range(c)))
                 wall = time.perf_counter() - t0
+            result.cpu_share[c] = cpu_share(cpu_before, cpu_snapshot([hop.process.pid for hop in hops]), wall)
             result.compute_share[c] = compute_share(before, [hop.get("/stats")["batches"] for hop in hops], wall)
             result.aggregate_tok_s[c] = sum(r.completion_tokens for r in done) / wall
             result.identical += [matches(r) for r in done]
@@ -661,6 +664,43 @@ def compute_share(before: list[dict], after: list[dict], wall_s: float) -> dict:
     return {"hops": [round((d + p) / wall_s, 4) for d, p in zip(decode, prefill, strict=True)],
             "decode": round(sum(decode) / wall_s, 4), "prefill": round(sum(prefill) / wall_s, 4),
             "summed": round((sum(decode) + sum(prefill)) / wall_s, 4)}
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds used so far by this process (the bench's client), by each peer process (route order)
+    and by the whole machine (busy, not idle or iowait)."""
+
+    client: float
+    peers: list[float]
+    machine: float
+
+
+def cpu_snapshot(peer_pids: list[int]) -> CpuSnapshot:
+    def used(pid: int | None) -> float:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:  # a peer that has gone counts nothing more
+            return 0.0
+        return times.user + times.system
+
+    machine = psutil.cpu_times()
+    idle = machine.idle + getattr(machine, "iowait", 0.0)
+    return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], sum(machine) - idle)
+
+
+def cpu_share(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict:
+    """The CPUs a load kept busy, on average over its wall time: the bench's own process (the OpenAI
+    clients streaming the replies, on the same machine as the mesh), each peer, and the machine in all
+    (``cpus`` of them). It tells how much of the machine the mesh had, and how much the client took."""
+    wall_s = max(wall_s, 1e-9)
+
+    def share(b: float, a: float) -> float:
+        return round(max(0.0, a - b) / wall_s, 4)
+
+    return {"client": share(before.client, after.client),
+            "peers": [share(b, a) for b, a in zip(before.peers, after.peers, strict=True)],
+            "machine": share(before.machine, after.machine), "cpus": psutil.cpu_count()}
 
 
 def say(message: str) -> None:
