@@ -178,7 +178,7 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
         # CPU times come in clock ticks: a short load's client may show none, but the peers computed
         assert used["client"] >= 0 and len(used["peers"]) == 2 and sum(used["peers"]) > 0
         assert used["machine"] >= 0.5 * sum(used["peers"])
-    assert "CPUs busy during each load (client + peers of machine's): c=1: " in run.stdout
+    assert "CPUs busy during each load, the client + each hop (the machine in all): c=1: " in run.stdout
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):

@@ -277,9 +277,9 @@ def format_summary(report: dict) -> str:
             f"c={c}: {v['summed']:.2f} ({v['decode']:.2f} + {v['prefill']:.2f})"
             for c, v in report["compute_share"].items()))
     if report.get("cpu_share"):
-        lines.append("CPUs busy during each load (client + peers of machine's): " + ", ".join(
-            f"c={c}: {v['client']:.2f} + {'/'.join(f'{p:.2f}' for p in v['peers'])} of {v['machine']:.2f}"
-            f" ({v['cpus']} CPUs)" for c, v in report["cpu_share"].items()))
+        lines.append("CPUs busy during each load, the client + each hop (the machine in all): " + ", ".join(
+            f"c={c}: {v['client']:.2f} + {' + '.join(f'{p:.2f}' for p in v['peers'])} ({v['machine']:.2f} of "
+            f"{v['cpus']})" for c, v in report["cpu_share"].items()))
     for i, batches in enumerate(report.get("batches") or []):
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "

@@ -669,7 +669,7 @@ def compute_share(before: list[dict], after: list[dict], wall_s: float) -> dict:
 @dataclass(frozen=True)
 class CpuSnapshot:
     """CPU seconds used so far by this process (the bench's client), by each peer process (route order)
-    and by the whole machine (busy, not idle or iowait)."""
+    and by the whole machine (busy: not idle, waiting for I/O or taken by the hypervisor)."""
 
     client: float
     peers: list[float]
@@ -685,8 +685,9 @@ def cpu_snapshot(peer_pids: list[int]) -> CpuSnapshot:
         return times.user + times.system
 
     machine = psutil.cpu_times()
-    idle = machine.idle + getattr(machine, "iowait", 0.0)
-    return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], sum(machine) - idle)
+    # Linux counts guests' time inside user time again, and steal is time the hypervisor took
+    busy = sum(getattr(machine, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+    return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], busy)
 
 
 def cpu_share(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict:
