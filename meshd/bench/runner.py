@@ -42,6 +42,7 @@ from meshd.links.calibrate import calibrate
 from meshd.links.profiles import LinkShape
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
 from meshd.progress import Progress, progress
+from meshd.runtime.machine_share import BUSY_FIELDS
 from meshd.runtime.numerics import Numerics
 
 Say = Callable[[str], None]
@@ -669,7 +670,7 @@ def compute_share(before: list[dict], after: list[dict], wall_s: float) -> dict:
 @dataclass(frozen=True)
 class CpuSnapshot:
     """CPU seconds used so far by this process (the bench's client), by each peer process (route order)
-    and by the whole machine (busy: not idle, waiting for I/O or taken by the hypervisor)."""
+    and by the whole machine (busy as the machine-share verdict counts it: not idle or waiting)."""
 
     client: float
     peers: list[float]
@@ -685,8 +686,7 @@ def cpu_snapshot(peer_pids: list[int]) -> CpuSnapshot:
         return times.user + times.system
 
     machine = psutil.cpu_times()
-    # Linux counts guests' time inside user time again, and steal is time the hypervisor took
-    busy = sum(getattr(machine, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+    busy = sum(getattr(machine, name, 0.0) for name in BUSY_FIELDS)
     return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], busy)
 
 
