@@ -8,11 +8,22 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from meshd.errors import ShapeMismatch
 from meshd.models.builtin import BUILTIN_MODELS, make_config, write_model
 from meshd.runtime.chain import LocalChain
-from meshd.runtime.numerics import TILE_ROWS, Numerics, calibrate, default_numerics, linears_like, onednn_available
+from meshd.runtime.numerics import (
+    TILE_ROWS,
+    Numerics,
+    RoutedLinear,
+    calibrate,
+    default_numerics,
+    linears_like,
+    onednn_available,
+    route_linears,
+    routed,
+)
 from meshd.runtime.shard import Shard
 from meshd.wire import bundle as wire
 from meshd.wire.bundle import HiddenStateBundle, Phase
@@ -326,3 +337,73 @@ def test_onednn_prefill_is_kept_unless_torch_is_clearly_faster():
     assert not prefill_with(1.01 * MARGIN)
     assert not choose(Numerics(torch.float32), lambda n: 0.5 if n.prefill_onednn else 1.0, lambda n: 1.0,
                       lambda n: 1.0, lambda n: (1, 1), onednn=False).numerics.prefill_onednn
+
+
+class _Experts(nn.Module):
+    """Weights applied with ``F.linear`` by the module that holds them, as a mixture's experts are."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.stacked = nn.Parameter(torch.randn(2, 40, 70, generator=gen), requires_grad=False)
+        self.inner = nn.Linear(40, 70)  # left to the mode its parent runs in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(F.linear(x, self.stacked[0]) + F.linear(x, self.stacked[1]))
+
+
+class _Block(nn.Module):
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(70)
+        self.proj = nn.Linear(70, 70)
+        self.experts = _Experts(gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.proj(self.norm(x)))
+
+
+@needs_onednn
+def test_routed_modules_compute_their_linears_as_the_mode_does_with_no_mode_over_the_rest(monkeypatch):
+    from meshd.runtime import numerics as numerics_module
+
+    gen = torch.Generator().manual_seed(0)
+    block = _Block(gen).eval()
+    batch = torch.randn(45, 70, generator=gen)
+    with torch.inference_mode():
+        plain = block(batch)
+        with ONEDNN.decode():
+            in_mode = block(batch)
+    assert route_linears(block) is block and route_linears(block) is block  # twice: the same
+    assert type(block.proj) is RoutedLinear and type(block.experts.inner) is nn.Linear
+    assert isinstance(block.norm, nn.LayerNorm) and "forward" not in vars(block.norm)
+    dispatched: list[object] = []
+    computed: list[int] = []  # each linear computed the numerics' way, by its output features
+    linear = numerics_module._Linears.linear
+
+    def counted(mode_class):
+        dispatch = mode_class.__torch_function__
+
+        def counted_dispatch(self, func, types, args=(), kwargs=None):
+            dispatched.append(func)
+            return dispatch(self, func, types, args, kwargs)
+
+        monkeypatch.setattr(mode_class, "__torch_function__", counted_dispatch)
+
+    def counted_linear(self, x, weight, bias):
+        computed.append(weight.shape[0])
+        return linear(self, x, weight, bias)
+
+    counted(numerics_module._Linears)
+    counted(numerics_module._PhaseLinears)
+    monkeypatch.setattr(numerics_module._Linears, "linear", counted_linear)
+    with torch.inference_mode():
+        assert torch.equal(block(batch), plain)  # outside ``routed``: torch's own way
+        assert dispatched == [] and computed == []
+        with routed(ONEDNN.decode()):
+            assert torch.equal(block(batch), in_mode)
+        assert computed == [70, 40, 40, 70]  # the projection, the experts' two, their inner one
+        with routed(linears_like(ONEDNN)):
+            assert torch.equal(block(batch), in_mode)
+    # the mode ran over the experts' forward only: their three linears and the sum between them
+    assert [f for f in dispatched if f is F.linear] == [F.linear] * 6
+    assert F.layer_norm not in dispatched and len(computed) == 8

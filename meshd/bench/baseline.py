@@ -53,9 +53,10 @@ class Baseline:
     between meshes, so that every mesh is compared with a baseline taken next to it in time). With
     ``int8``, its linears compute as the peers' do at ``--dtype int8`` (:mod:`meshd.runtime.int8`); with
     ``numerics``, as peers of that class do where their kernels are not torch's own
-    (:func:`meshd.runtime.numerics.linears_like`), so that its tokens compare like with like, over
-    weights that start on a cache line as the peers' do (:func:`meshd.runtime.loader.aligned_weights`),
-    so that its speed does too."""
+    (:func:`meshd.runtime.numerics.linears_like`), so that its tokens compare like with like, routed at
+    its modules and over weights that start on a cache line as the peers' are
+    (:func:`meshd.runtime.numerics.route_linears`, :func:`meshd.runtime.loader.aligned_weights`), so
+    that its speed does too."""
 
     def __init__(self, model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: Any = None,
                  int8: bool = False, numerics: Numerics | None = None) -> None:
@@ -64,6 +65,7 @@ class Baseline:
 
         from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
         from meshd.runtime.loader import aligned_weights
+        from meshd.runtime.numerics import route_linears
 
         self.numerics = numerics
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
@@ -72,7 +74,7 @@ class Baseline:
         if int8:
             quantize_linears(self.model)
             release_freed_memory()
-        self.model.eval()
+        route_linears(self.model.eval())
         self.model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.model_bytes += int8_bytes(self.model)
         self.prompt_ids = list(prompt_ids)
@@ -89,13 +91,13 @@ class Baseline:
         import torch
         from transformers import GenerationConfig
 
-        from meshd.runtime.numerics import linears_like
+        from meshd.runtime.numerics import linears_like, routed
 
         input_ids = torch.tensor([self.prompt_ids] * batch)
         config = GenerationConfig(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=self.model.config.pad_token_id)
         started = time.perf_counter()
-        with torch.inference_mode(), linears_like(self.numerics):
+        with torch.inference_mode(), routed(linears_like(self.numerics)):
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
         wall = time.perf_counter() - started
         return batch * (out.shape[1] - len(self.prompt_ids)) / wall
@@ -104,12 +106,12 @@ class Baseline:
         import torch
         from transformers import GenerationConfig
 
-        from meshd.runtime.numerics import linears_like
+        from meshd.runtime.numerics import linears_like, routed
 
         input_ids = torch.tensor([self.prompt_ids])
         config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                                   pad_token_id=self.model.config.pad_token_id)
-        with torch.inference_mode(), linears_like(self.numerics):
+        with torch.inference_mode(), routed(linears_like(self.numerics)):
             return self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                        generation_config=config, streamer=streamer)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from meshd.runtime.numerics import Numerics, linears_like
+from meshd.runtime.numerics import Numerics, linears_like, route_linears, routed
 
 GATHER_S = 0.005  # a batch waits this long after its first request for others sent with it
 
@@ -181,7 +181,7 @@ class OneProcessServer(ThreadedServer):
         if self.numerics is not None and self.numerics.int8:  # as the peers' (and the bench baseline's) int8
             quantize_linears(model)
             release_freed_memory()
-        self.model = model.eval()
+        self.model = route_linears(model.eval())
 
     def _serve_queue(self) -> None:
         while True:
@@ -229,6 +229,6 @@ class OneProcessServer(ThreadedServer):
         config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None,
                                   pad_token_id=self.pad_token_id)
         self.batch_sizes[len(batch)] += 1
-        with torch.inference_mode(), linears_like(self.numerics):
+        with torch.inference_mode(), routed(linears_like(self.numerics)):
             self.model.generate(input_ids, attention_mask=mask, generation_config=config,
                                 logits_processor=LogitsProcessorList([Stamps()]))

@@ -7,8 +7,7 @@ and values to this attention function, which runs the family's attention once pe
 that session's exact key length, the same call whether the session is alone or one of many. Prefill
 chunks of several sessions computed as one (:class:`PrefillSegments`) are split the same way: each
 session's queries attend over its own keys in the call its chunk alone would make. A lone prefill
-chunk goes straight through. None of this computes a linear, so it all runs outside the
-numerics' torch function mode (:func:`~meshd.runtime.numerics.without_linears`).
+chunk goes straight through.
 
 The function is registered with transformers' ``AttentionInterface`` as ``meshd``; a shard's config
 names it, and ``config.meshd_attention`` says which kernel runs underneath: ``sdpa``, or the family's
@@ -26,8 +25,6 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from meshd.runtime.numerics import without_linears
 
 ATTENTION_NAME = "meshd"
 
@@ -52,8 +49,7 @@ class DecodeRows:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
                **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        with without_linears():
-            self._append(key_states, value_states, layer_idx)
+        self._append(key_states, value_states, layer_idx)
         return key_states, value_states  # placeholders: attention reads ``current``
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
@@ -97,13 +93,12 @@ class PrefillSegments:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args: object,
                **_kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         self.current = []
-        with without_linears():
-            for i, session in enumerate(self.sessions):
-                start, end = self.bounds[i], self.bounds[i + 1]
-                # copies: a session keeps a first chunk's tensors as they are, and a view would hold every
-                # session's keys of the chunk for as long as any one of them (or a prefix kept of it) lives
-                self.current.append(session.update(key_states[..., start:end, :].clone(),
-                                                   value_states[..., start:end, :].clone(), layer_idx))
+        for i, session in enumerate(self.sessions):
+            start, end = self.bounds[i], self.bounds[i + 1]
+            # copies: a session keeps a first chunk's tensors as they are, and a view would hold every
+            # session's keys of the chunk for as long as any one of them (or a prefix kept of it) lives
+            self.current.append(session.update(key_states[..., start:end, :].clone(),
+                                               value_states[..., start:end, :].clone(), layer_idx))
         return key_states, value_states  # placeholders: attention reads ``current``
 
 
@@ -141,12 +136,6 @@ def _for_kernel(kernel: AttentionFn, mask: torch.Tensor | None, q_len: int, k_le
 
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    with without_linears():
-        return _attend(module, query, key, value, attention_mask, **kwargs)
-
-
-def _attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     kernel = _kernel(module)
     rows = _ROWS.get()
     if rows is None:  # one session (a prefill chunk): its own cache already returned its whole history

@@ -36,7 +36,7 @@ from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memor
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
 from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
 from meshd.runtime.manifest import Manifest
-from meshd.runtime.numerics import DTYPES, INT8, Numerics, default_numerics
+from meshd.runtime.numerics import DTYPES, INT8, Numerics, default_numerics, route_linears, routed
 from meshd.runtime.prefix_kv import DEFAULT_PREFIX_BYTES, PrefixSnapshot, scoped_name
 from meshd.runtime.sampling import sample_token
 from meshd.wire.bundle import HiddenStateBundle, Phase, Sampling
@@ -217,6 +217,9 @@ class Shard:
             self.lm_head = quantize_linears(head) if self.numerics.int8 else head
         if self.numerics.int8:
             release_freed_memory()
+        for module in (self.embed, *self.layers, self.norm, self.lm_head):
+            if module is not None:
+                route_linears(module)  # each step computes them its numerics' way (``routed``)
 
     def parameter_bytes(self) -> int:
         """Bytes of every weight this shard holds (embedding, layers, norm, head), int8 ones as int8."""
@@ -475,7 +478,7 @@ class Shard:
         rows = DecodeRows([*sessions, *[None] * padding], masks, positions)
         token = step_rows().set(rows)
         try:
-            with self.numerics.decode(rows=len(xs) if self._linears_see_the_step else None):
+            with routed(self.numerics.decode(rows=len(xs) if self._linears_see_the_step else None)):
                 stacked = torch.stack(xs)  # [R, 1] token ids on the head, else [R, 1, hidden]
                 hidden = self.embed(stacked) if self.embed is not None else stacked
                 position_ids = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
@@ -565,7 +568,7 @@ class LayerwisePrefill:
             bounds.append(bounds[-1] + part.bundle.token_count)
         self.bounds = bounds
         windows = set(shard.windows)
-        with torch.inference_mode(), shard.numerics.prefill():
+        with torch.inference_mode(), routed(shard.numerics.prefill()):
             x = torch.cat([part.x for part in self.parts]) if len(self.parts) > 1 else self.parts[0].x
             hidden = shard.embed(x) if shard.embed is not None else x
             self.hidden = hidden.unsqueeze(0)
@@ -588,7 +591,7 @@ class LayerwisePrefill:
         cache: SessionKV | PrefillSegments = self.segments if self.segments is not None else self.parts[0].session
         token = step_rows().set(self.segments)
         try:
-            with torch.inference_mode(), shard.numerics.prefill():
+            with torch.inference_mode(), routed(shard.numerics.prefill()):
                 while self.next_layer < len(shard.layers):
                     self.hidden = shard._run_layer(self.next_layer, self.hidden, self.position_ids, cache,
                                                    self.masks, self.position_embeddings)
@@ -607,7 +610,7 @@ class LayerwisePrefill:
             return StepResult(hidden_states=self.hidden[0, start:end])
         if not part.bundle.sample:
             return StepResult()
-        with shard.numerics.decode(rows=1):  # one row, as in a decode step: no upcast of the whole head
+        with routed(shard.numerics.decode(rows=1)):  # one row, as in a decode step: no upcast of the whole head
             logits = shard._logits(self.hidden[:, end - 1 : end, :])[0]
         return shard._sampled(logits, part.session.sampling, part.bundle.start_position + part.bundle.token_count)
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshd.errors import ErrorCode, MeshError, ShapeMismatch
+from meshd.runtime.numerics import routed
 from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS, Shard, ShardSpec
 from meshd.runtime.speed_probe import TIMING_SESSION
 from meshd.trace.limits import MAX_TRACE_DECODE_STEPS, MAX_TRACE_POSITIONS, MAX_TRACE_REPLY_BYTES
@@ -181,6 +182,6 @@ def _row_logits(shard: Shard, hidden: torch.Tensor) -> torch.Tensor:
     """One position's logits from the tail's final norm and LM head, as a decode step computes a row."""
     assert shard.norm is not None and shard.lm_head is not None
     x = hidden.to(shard.device).view(1, 1, -1)
-    with shard.numerics.decode(rows=1):
+    with routed(shard.numerics.decode(rows=1)):
         out = shard.adapter.logits(shard.config, shard.lm_head(shard.norm(x)))
     return out[0, -1].float().cpu()
