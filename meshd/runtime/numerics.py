@@ -166,9 +166,9 @@ class _Route:
 
     __slots__ = ("_mode", "_token")
 
-    def __init__(self, mode: _Linears | _PhaseLinears) -> None:
+    def __init__(self, mode: _LinearsMode) -> None:
         self._mode = mode
-        self._token: contextvars.Token[_Linears | _PhaseLinears | None] | None = None
+        self._token: contextvars.Token[_LinearsMode | None] | None = None
 
     def __enter__(self) -> None:
         self._token = _ROUTE.set(self._mode)
@@ -185,7 +185,7 @@ def routed(mode: AbstractContextManager[object]) -> AbstractContextManager[objec
     an activation's as much as a linear's: in one process, the whole ``bench`` model's decode step
     took 0.95 times as long routed as in the mode for one session and 0.88-0.91 times for eight, bit
     for bit alike."""
-    return _Route(mode) if isinstance(mode, (_Linears, _PhaseLinears)) else nullcontext()
+    return _Route(mode) if isinstance(mode, _LinearsMode) else nullcontext()
 
 
 def route_linears(module: nn.Module) -> nn.Module:
@@ -327,14 +327,8 @@ def band_tiles(n: int, band: tuple[int, int]) -> list[int]:
     return [max(low, size) for size in sizes]
 
 
-class _Linears(TorchFunctionMode):
-    """Runs every ``F.linear`` of a step as the numerics say: in row tiles of the band, in fp32, or both."""
-
-    def __init__(self, rows: tuple[int, int] | None, upcast: bool, onednn: bool = False) -> None:
-        super().__init__()
-        self.rows = rows
-        self.upcast = upcast
-        self.onednn = onednn
+class _LinearsMode(TorchFunctionMode):
+    """A mode that computes every ``F.linear`` called inside it by :meth:`linear`, and leaves the rest."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -342,6 +336,19 @@ class _Linears(TorchFunctionMode):
         if func is not F.linear:
             return func(*args, **kwargs)
         return self.linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Linears(_LinearsMode):
+    """Runs every ``F.linear`` of a step as the numerics say: in row tiles of the band, in fp32, or both."""
+
+    def __init__(self, rows: tuple[int, int] | None, upcast: bool, onednn: bool = False) -> None:
+        super().__init__()
+        self.rows = rows
+        self.upcast = upcast
+        self.onednn = onednn
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` computed this way."""
@@ -372,7 +379,7 @@ class _Linears(TorchFunctionMode):
         return out.to(x.dtype)
 
 
-class _PhaseLinears(TorchFunctionMode):
+class _PhaseLinears(_LinearsMode):
     """Runs a forward over sequences of several positions (a prompt) the ``prefill`` way and one of a
     single position per sequence (a generated token) the ``decode`` way."""
 
@@ -381,21 +388,13 @@ class _PhaseLinears(TorchFunctionMode):
         self.prefill = prefill
         self.decode = decode
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        if func is not F.linear:
-            return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
-        return self.linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` computed the phase's way."""
         way = self.prefill if x.dim() >= 3 and x.shape[-2] > 1 else self.decode
         return way.linear(x, weight, bias)
 
 
-_ROUTE: contextvars.ContextVar[_Linears | _PhaseLinears | None] = contextvars.ContextVar("meshd_linears",
-                                                                                         default=None)
+_ROUTE: contextvars.ContextVar[_LinearsMode | None] = contextvars.ContextVar("meshd_linears", default=None)
 
 
 def default_numerics(dtype: torch.dtype, device: str) -> Numerics:
