@@ -30,9 +30,11 @@ from meshd.bench.serving import (
     run_closed,
     run_poisson,
     serving_ratios,
+    share_rate,
     spread,
     summarize,
     sustained_rate,
+    sustained_share,
 )
 from meshd.bench.workload import Prompt
 from meshd.errors import ShapeMismatch
@@ -135,6 +137,26 @@ def test_serving_ratios_compare_each_mesh_with_the_one_process_in_the_same_run()
     assert both["continuous_closed_loop_ratio"] == {"4": {"1": 0.5, "3": 0.3333}, "8": {"1": 0.5, "3": None}}
     assert both["sustained_rate"][CONTINUOUS] == 4.0
     assert both["continuous_sustained_ratio"] == {"1": 0.25, "3": None}
+
+
+def test_the_share_rate_is_that_share_of_the_sustained_rate_and_a_mesh_sustains_it_only_at_it_and_below():
+    assert share_rate(_poisson(100, 300, 900, 2500), 1.0, 0.8) == 1.6  # 0.8 of 2/s
+    assert share_rate(_poisson(100, 300, 900, 950), 1.0, 1 / 3) == 1.33  # to 3 significant digits
+    assert share_rate(_poisson(1000, 10), 1.0, 0.8) is None  # nothing sustained: no share of it
+    assert share_rate(_poisson(100, 300), 1.0, 0.0) is None  # none asked for
+
+    # the share rate tested on every server: a mesh that keeps the bound there sustains it, one that
+    # misses it there (or below it) does not, whatever the rates around it gave
+    mesh_keeps = {**_poisson(100, 300, 2500), "1.6": {"ttft_ms": {"count": 4, "p95": 900}}}
+    mesh_misses = {**_poisson(100, 300, 2500), "1.6": {"ttft_ms": {"count": 4, "p95": 2100}}}
+    mesh_below = {**_poisson(100, 2100, 100), "1.6": {"ttft_ms": {"count": 4, "p95": 100}}}
+    sustained = {CONTINUOUS: 2.0, **{k: sustained_rate(v, 2.0) for k, v in
+                                     (("1", mesh_keeps), ("2", mesh_misses), ("3", mesh_below))}}
+    assert sustained == {CONTINUOUS: 2.0, "1": 1.6, "2": 1.0, "3": 0.5}
+    got = sustained_share(1.6, 0.8, {ONE_PROCESS: None, **sustained})
+    assert got == {"share": 0.8, "share_rate": 1.6, "sustains_share": {"1": True, "2": False, "3": False}}
+    none = sustained_share(None, 0.8, {CONTINUOUS: None, "1": None, "3": 0.5})
+    assert none["share_rate"] is None and none["sustains_share"] == {"1": None, "3": None}
 
 
 def _requests(n: int, tokens: int = 3) -> list[ServeRequest]:
@@ -419,14 +441,23 @@ def test_bench_serve_on_tiny_model_reports_every_load_on_every_server(tmp_path, 
     assert report["seed"] == 5 and report["requests_per_load"] == 3 and report["ttft_bound_s"] == 2.0
     assert len(report["workload"]) == 3
     assert all(w["prompt_tokens"] in (8, 24) and w["new_tokens"] in (4, 10) for w in report["workload"])
-    assert report["clients"] == [2] and len(report["rates"]) == len(RATE_FRACTIONS)  # from the one process's capacity
-    assert report["rates_from"]["server"] == CONTINUOUS
+    assert report["clients"] == [2] and report["rates_from"]["server"] == CONTINUOUS
     capacity = report["rates_from"]["capacity_req_s"]
     assert capacity == report["servers"][CONTINUOUS]["capacity_req_s"]
-    assert report["rates"] == pytest.approx([capacity * f for f in RATE_FRACTIONS], rel=0.01)
+    # the rates: fractions of the one process's capacity, then 0.8 of the rate it sustained over those
+    grid = [float(f"{capacity * f:.3g}") for f in RATE_FRACTIONS]
+    share = report["share_rate"]
+    assert report["share"] == 0.8 and share == report["servers"][CONTINUOUS]["share_rate"]
+    over_grid = sustained_rate({k: v for k, v in report["servers"][CONTINUOUS]["poisson"].items() if float(k) in grid},
+                               2.0)
+    assert share == (None if over_grid is None else float(f"{0.8 * over_grid:.3g}"))
+    assert report["rates"] == sorted({*grid, *([share] if share is not None else [])})
+    assert set(report["sustains_share"]) == {"1", "2"}
+    for k, sustains in report["sustains_share"].items():
+        assert sustains == (None if share is None else (report["sustained_rate"][k] or 0.0) >= share)
     assert set(report["servers"]) == {ONE_PROCESS, CONTINUOUS, "1", "2"}
     for name, server in report["servers"].items():
-        assert list(server["closed"]) == ["2"] and len(server["poisson"]) == len(RATE_FRACTIONS), name
+        assert list(server["closed"]) == ["2"] and sorted(map(float, server["poisson"])) == report["rates"], name
         for figures in [*server["closed"].values(), *server["poisson"].values()]:
             assert [k for k in LOAD_FIELDS if k not in figures] == [], name
             assert figures["requests"] == 3 and figures["tokens_exact"] is True, name

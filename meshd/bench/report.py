@@ -432,5 +432,9 @@ def format_serve_summary(report: dict) -> str:
         if ratio is not None:
             cells = ", ".join(f"{_server_name(k)} {_fmt(v, '.3f')}x" for k, v in ratio.items())
             lines.append(f"sustained rate over {against}: {cells}")
+    if report.get("share_rate") is not None:
+        cells = ", ".join(f"{_server_name(k)} {'yes' if v else 'no'}" for k, v in report["sustains_share"].items())
+        lines.append(f"sustains {report['share']:g} of the continuous one process's sustained rate "
+                     f"({report['share_rate']:g}/s, tested as a rate of its own): {cells}")
     lines.append(f"every request got exactly its tokens: {'yes' if report['tokens_exact'] else 'NO'}")
     return "\n".join(lines)

@@ -15,7 +15,9 @@ Every time is taken by the client: a request's TTFT and latency count from its s
 (so a wait for a busy server counts), inter-token latency is the gap between successive streamed
 chunks of one request. Poisson rates default to fractions of the continuous one-process server's
 closed-loop capacity (the higher one process's), measured first; a server *sustains* a rate when its
-p95 TTFT stays under a bound there and at every lower rate tested.
+p95 TTFT stays under a bound there and at every lower rate tested. One more rate, a share of the rate the
+continuous one process sustains, is tested on every server, so that whether a mesh sustains that share
+is measured at it rather than read off the nearest rates around it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ REQUESTS = 8
 # keeping the bound at every rate up to its capacity is told from one that keeps it beyond
 RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.5)
 TTFT_BOUND_S = 2.0
+# of the continuous one process's sustained rate: the share a mesh is asked to sustain, tested as a rate of its own
+SHARE = 0.8
 ONE_PROCESS = "one_process"  # static batches
 CONTINUOUS = "one_process_continuous"  # step by step
 ONE_PROCESS_SERVERS = (ONE_PROCESS, CONTINUOUS)
@@ -79,6 +83,7 @@ class ServeConfig:
     requests: int = REQUESTS  # per load
     seed: int = 0
     ttft_bound_s: float = TTFT_BOUND_S
+    share: float = SHARE  # 0: no rate of its own for the share
     prompt_tokens: tuple[int, ...] = PROMPT_TOKENS
     new_tokens: tuple[int, ...] = NEW_TOKENS
     dtype: str = "auto"
@@ -271,6 +276,22 @@ def sustained_rate(poisson: dict[str, dict], bound_s: float) -> float | None:
     return best
 
 
+def share_rate(poisson: dict[str, dict], bound_s: float, share: float) -> float | None:
+    """``share`` of the rate sustained over ``poisson``, to 3 significant digits; None when nothing is
+    sustained or no share is asked for."""
+    sustained = sustained_rate(poisson, bound_s)
+    return None if sustained is None or share <= 0 else float(f"{sustained * share:.3g}")
+
+
+def sustained_share(rate: float | None, share: float, sustained: dict[str, float | None]) -> dict[str, Any]:
+    """``share_rate`` (``share`` of the continuous one process's sustained rate, tested on every server)
+    and ``sustains_share``: for each mesh, whether it sustains that rate (null when there is none: the
+    continuous one process sustained no rate, or no share was asked for)."""
+    meshes = [k for k in sustained if k not in ONE_PROCESS_SERVERS]
+    return {"share": share, "share_rate": rate,
+            "sustains_share": {k: None if rate is None else (sustained[k] or 0.0) >= rate for k in meshes}}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
@@ -347,6 +368,8 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
     """Measure every load on every server and return the report object."""
     if cfg.requests < 1 or cfg.ttft_bound_s <= 0 or any(r <= 0 for r in cfg.rates):
         raise BenchError("--serve-requests must be at least 1, rates and --serve-ttft-bound-s above 0")
+    if not 0 <= cfg.share < 1:
+        raise BenchError(f"--serve-share must be at least 0 and below 1, got {cfg.share:g}")
     quiet_transformers()
     import torch
     from transformers import AutoTokenizer
@@ -364,7 +387,7 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
     classes = PeerClasses(model_dir)
     threads = torch.get_num_threads()
     clients = sorted(cfg.clients)
-    n_rates = len(cfg.rates) or len(RATE_FRACTIONS)
+    n_rates = (len(cfg.rates) or len(RATE_FRACTIONS)) + (cfg.share > 0)
     say(f"serving {model_id} ({str(held).removeprefix('torch.')}, {threads} torch threads): {cfg.requests} requests "
         f"per load, seed {cfg.seed}, {sum(len(r.prompt.ids) for r in requests)} prompt + "
         f"{sum(r.new_tokens for r in requests)} new tokens in all; the peers compute as "
@@ -377,6 +400,8 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
                       say=lambda _line: None) as bar:
             servers[CONTINUOUS], rates = _serve_continuous(model_dir, classes.of(cfg.dtype), threads, cfg, requests,
                                                            reference, say, bar.advance)
+            if len(rates) < n_rates:  # the share was not a rate of its own: the loads counted for it do not run
+                bar.advance(len(ONE_PROCESS_SERVERS) + len(cfg.peers))
             gc.collect()  # each one-process model, before the next server loads its own
             loads = [Load("closed", c) for c in clients] + [Load("poisson", r) for r in rates]
             servers[ONE_PROCESS] = _serve_static(model_dir, held, classes.of(cfg.dtype), threads, cfg, requests, loads,
@@ -403,7 +428,9 @@ def run_serve(cfg: ServeConfig, say: Say) -> dict:
             "fractions": list(RATE_FRACTIONS)},
     }
     every = [f for server in servers.values() for kind in ("closed", "poisson") for f in server[kind].values()]
-    return {**meta, "servers": servers, **serving_ratios(servers, cfg.ttft_bound_s),
+    ratios = serving_ratios(servers, cfg.ttft_bound_s)
+    return {**meta, "servers": servers, **ratios,
+            **sustained_share(servers[CONTINUOUS].get("share_rate"), cfg.share, ratios["sustained_rate"]),
             "tokens_exact": all(f["tokens_exact"] for f in every),
             "replies_identical": all(f["replies_identical"] == f["requests"] for f in every)}
 
@@ -413,7 +440,8 @@ def _serve_continuous(model_dir: Path, numerics: Numerics, threads: int, cfg: Se
                       advance: Callable[[], None]) -> tuple[dict, list[float]]:
     """Every load on the continuous one-process server (the whole model as one shard of the peers'
     class, ``numerics``), closed loops first: its figures and the Poisson rates, which without
-    ``cfg.rates`` are fractions of its closed-loop capacity (the higher of the one process's two)."""
+    ``cfg.rates`` are fractions of its closed-loop capacity (the higher of the one process's two), and
+    then ``cfg.share`` of the rate it sustained over those (:func:`share_rate`), a rate of its own."""
     clients = sorted(cfg.clients)
     poisson_batch = max(clients)
     say(f"one process, continuous: loading {model_dir.name} as one shard ({numerics.name}), up to the "
@@ -428,7 +456,14 @@ def _serve_continuous(model_dir: Path, numerics: Numerics, threads: int, cfg: Se
             f"Poisson rates {', '.join(f'{r:g}' for r in rates)}/s")
         poisson = run_loads(target, [Load("poisson", r) for r in rates], requests, cfg.seed, reference, say,
                             advance)["poisson"]
-    return {"closed": closed, "poisson": poisson, "capacity_req_s": capacity["req_s"],
+        share = share_rate(poisson, cfg.ttft_bound_s, cfg.share)
+        if share is not None and rate_key(share) not in poisson:
+            say(f"one process, continuous: sustained {sustained_rate(poisson, cfg.ttft_bound_s):g}/s; every server is "
+                f"also asked for {cfg.share:g} of it, {share:g}/s")
+            poisson |= run_loads(target, [Load("poisson", share)], requests, cfg.seed, reference, say,
+                                 advance)["poisson"]
+            rates = sorted([*rates, share])
+    return {"closed": closed, "poisson": poisson, "capacity_req_s": capacity["req_s"], "share_rate": share,
             "poisson_max_batch": poisson_batch, "numerics": numerics.name}, rates
 
 

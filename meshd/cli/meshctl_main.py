@@ -129,8 +129,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         return 2
     cfg = ServeConfig(model=args.model, peers=args.peers or PEERS, clients=args.serve_clients,
                       rates=args.serve_rates or (), requests=args.serve_requests, seed=args.seed,
-                      ttft_bound_s=args.serve_ttft_bound_s, prompt_tokens=args.serve_prompt_tokens,
-                      new_tokens=args.serve_new_tokens, dtype=args.dtype,
+                      ttft_bound_s=args.serve_ttft_bound_s, share=args.serve_share,
+                      prompt_tokens=args.serve_prompt_tokens, new_tokens=args.serve_new_tokens, dtype=args.dtype,
                       workdir=Path(args.workdir) if args.workdir else None)
     out = Path(args.out) if args.out else Path("bench-out") / f"serve-{Path(args.model).name}.json"
     return main_serve(cfg, out)
@@ -305,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serve-ttft-bound-s", type=float, default=2.0, metavar="S",
                        help="a server sustains a Poisson rate when its p95 time to first token stays under this "
                        "many seconds there and at every lower rate (default 2.0)")
+    serve.add_argument("--serve-share", type=float, default=0.8, metavar="F",
+                       help="every server is also sent requests at this share of the Poisson rate the continuous "
+                       "one process sustains, so that whether a mesh sustains that share is measured at it, not "
+                       "read off the rates around it; 0 for none (default 0.8)")
     serve.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed of the request mix and the arrival gaps: same seed, same requests and arrival "
                        "times (default 0)")
