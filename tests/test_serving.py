@@ -140,10 +140,10 @@ def test_serving_ratios_compare_each_mesh_with_the_one_process_in_the_same_run()
 
 
 def test_the_share_rate_is_that_share_of_the_sustained_rate_and_a_mesh_sustains_it_only_at_it_and_below():
-    assert share_rate(_poisson(100, 300, 900, 2500), 1.0, 0.8) == 1.6  # 0.8 of 2/s
-    assert share_rate(_poisson(100, 300, 900, 950), 1.0, 1 / 3) == 1.33  # to 3 significant digits
-    assert share_rate(_poisson(1000, 10), 1.0, 0.8) is None  # nothing sustained: no share of it
-    assert share_rate(_poisson(100, 300), 1.0, 0.0) is None  # none asked for
+    assert share_rate(sustained_rate(_poisson(100, 300, 900, 2500), 1.0), 0.8) == 1.6  # 0.8 of 2/s
+    assert share_rate(4.0, 1 / 3) == 1.33  # to 3 significant digits
+    assert share_rate(sustained_rate(_poisson(1000, 10), 1.0), 0.8) is None  # nothing sustained: no share of it
+    assert share_rate(2.0, 0.0) is None  # none asked for
 
     # the share rate tested on every server: a mesh that keeps the bound there sustains it, one that
     # misses it there (or below it) does not, whatever the rates around it gave

@@ -276,10 +276,9 @@ def sustained_rate(poisson: dict[str, dict], bound_s: float) -> float | None:
     return best
 
 
-def share_rate(poisson: dict[str, dict], bound_s: float, share: float) -> float | None:
-    """``share`` of the rate sustained over ``poisson``, to 3 significant digits; None when nothing is
-    sustained or no share is asked for."""
-    sustained = sustained_rate(poisson, bound_s)
+def share_rate(sustained: float | None, share: float) -> float | None:
+    """``share`` of a ``sustained`` rate, to 3 significant digits; None when nothing is sustained or no
+    share is asked for."""
     return None if sustained is None or share <= 0 else float(f"{sustained * share:.3g}")
 
 
@@ -456,10 +455,11 @@ def _serve_continuous(model_dir: Path, numerics: Numerics, threads: int, cfg: Se
             f"Poisson rates {', '.join(f'{r:g}' for r in rates)}/s")
         poisson = run_loads(target, [Load("poisson", r) for r in rates], requests, cfg.seed, reference, say,
                             advance)["poisson"]
-        share = share_rate(poisson, cfg.ttft_bound_s, cfg.share)
+        sustained = sustained_rate(poisson, cfg.ttft_bound_s)
+        share = share_rate(sustained, cfg.share)
         if share is not None and rate_key(share) not in poisson:
-            say(f"one process, continuous: sustained {sustained_rate(poisson, cfg.ttft_bound_s):g}/s; every server is "
-                f"also asked for {cfg.share:g} of it, {share:g}/s")
+            say(f"one process, continuous: sustained {sustained:g}/s; every server is also asked for {cfg.share:g} "
+                f"of it, {share:g}/s")
             poisson |= run_loads(target, [Load("poisson", share)], requests, cfg.seed, reference, say,
                                  advance)["poisson"]
             rates = sorted([*rates, share])
