@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -39,13 +40,16 @@ def test_the_compute_share_is_what_each_hop_computed_during_the_load_over_its_wa
 
 
 def test_the_cpu_share_is_the_cpu_time_each_process_and_the_machine_used_over_the_load():
-    before = CpuSnapshot(client=5.0, peers=[100.0, 50.0], machine=1000.0)
-    after = CpuSnapshot(client=6.5, peers=[112.0, 50.0], machine=1018.0)
+    before = CpuSnapshot(client=5.0, peers=[100.0, 50.0], machine=1000.0, loops=[20.0, None])
+    after = CpuSnapshot(client=6.5, peers=[112.0, 50.0], machine=1018.0, loops=[21.5, 4.0])
     share = cpu_share(before, after, 10.0)
     assert share["client"] == 0.15 and share["peers"] == [1.2, 0.0] and share["machine"] == 1.8
+    # the event loop's part of a peer's share; unknown where either snapshot could not read it
+    assert share["loops"] == [0.15, None]
     assert share["cpus"] >= 1
     # a peer that ended meanwhile counts nothing rather than a negative share
     assert cpu_share(after, before, 10.0)["peers"] == [0.0, 0.0]
+    assert cpu_share(after, before, 10.0)["loops"] == [0.0, None]
 
 
 def test_a_cpu_snapshot_counts_this_process_and_a_peer_that_has_gone_as_nothing_more():
@@ -59,6 +63,32 @@ def test_a_cpu_snapshot_counts_this_process_and_a_peer_that_has_gone_as_nothing_
     assert second.client > first.client and second.peers[0] > first.peers[0]
     assert first.peers[1] == second.peers[1] == 0.0
     assert second.machine >= first.machine
+    # this test spent its CPU on the main thread: the snapshot counts it as the process's event loop
+    if sys.platform == "linux":
+        assert first.loops[0] is not None and second.loops[0] is not None
+        assert second.loops[0] > first.loops[0]
+        assert second.loops[0] <= second.peers[0]
+    assert first.loops[1] == second.loops[1] == 0.0
+
+
+def test_a_cpu_snapshot_counts_only_the_main_thread_as_the_event_loop():
+    if sys.platform != "linux":
+        pytest.skip("thread ids match the process id only on Linux")
+    me = psutil.Process()
+    first = cpu_snapshot([os.getpid()])
+
+    def spend() -> None:  # CPU times move in clock ticks: spend a few on another thread
+        start = sum(me.cpu_times()[:2])
+        while sum(me.cpu_times()[:2]) < start + 0.1:
+            sum(i * i for i in range(10_000))
+
+    worker = threading.Thread(target=spend)
+    worker.start()
+    worker.join()
+    second = cpu_snapshot([os.getpid()])
+    assert first.loops[0] is not None and second.loops[0] is not None
+    assert second.peers[0] - first.peers[0] >= 0.1
+    assert second.loops[0] - first.loops[0] < second.peers[0] - first.peers[0] - 0.05
 
 
 def _hop_stats(prefill_compute_ms: float, runs: int) -> dict:
@@ -178,7 +208,11 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
         # CPU times come in clock ticks: a short load's client may show none, but the peers computed
         assert used["client"] >= 0 and len(used["peers"]) == 2 and sum(used["peers"]) > 0
         assert used["machine"] >= 0.5 * sum(used["peers"])
+        # each peer's event loop, part of that peer's CPU (both in clock ticks, read one after the other)
+        assert len(used["loops"]) == 2 and all(loop is not None for loop in used["loops"])
+        assert all(0 <= loop <= peer + 0.1 for loop, peer in zip(used["loops"], used["peers"], strict=True))
     assert "CPUs busy during each load, the client + each hop (the machine in all): c=1: " in run.stdout
+    assert "of that, the hops' event loops (transport, sessions, API), and their CPU ms per token: c=1: " in run.stdout
     assert set(report["baseline_tok_s_by_peers"]) == {"1", "2"}
     assert len(report["runs_detail"]["baseline"]["tok_s"]) == 3 * 2  # before the meshes, then after each
     for kind in ("thread_handoff_us", "process_round_trip_us"):

@@ -280,6 +280,13 @@ def format_summary(report: dict) -> str:
         lines.append("CPUs busy during each load, the client + each hop (the machine in all): " + ", ".join(
             f"c={c}: {v['client']:.2f} + {' + '.join(f'{p:.2f}' for p in v['peers'])} ({v['machine']:.2f} of "
             f"{v['cpus']})" for c, v in report["cpu_share"].items()))
+        loops = {c: v["loops"] for c, v in report["cpu_share"].items()
+                 if v.get("loops") and None not in v["loops"] and report["aggregate_tok_s"].get(c)}
+        if loops:
+            lines.append("of that, the hops' event loops (transport, sessions, API), and their CPU ms per token: "
+                         + ", ".join(f"c={c}: {' + '.join(f'{p:.3f}' for p in v)} "
+                                     f"({1000 * sum(v) / report['aggregate_tok_s'][c]:.2f} ms)"
+                                     for c, v in loops.items()))
     for i, batches in enumerate(report.get("batches") or []):
         sizes = ", ".join(f"{size}: {count}" for size, count in batches["batch_sizes"].items())
         lines.append(f"  hop {i} decode batches over the concurrent runs (size: count) {sizes}; "

@@ -669,12 +669,15 @@ def compute_share(before: list[dict], after: list[dict], wall_s: float) -> dict:
 
 @dataclass(frozen=True)
 class CpuSnapshot:
-    """CPU seconds used so far by this process (the bench's client), by each peer process (route order)
-    and by the whole machine (busy as the machine-share verdict counts it: not idle or waiting)."""
+    """CPU seconds used so far by this process (the bench's client), by each peer process (route order),
+    by each peer's event loop (its main thread, where Trio runs the transport, the sessions and the API;
+    the rest of a peer's time is its compute thread and torch's threads; None where the system does not
+    say) and by the whole machine (busy as the machine-share verdict counts it: not idle or waiting)."""
 
     client: float
     peers: list[float]
     machine: float
+    loops: list[float | None]
 
 
 def cpu_snapshot(peer_pids: list[int]) -> CpuSnapshot:
@@ -685,23 +688,38 @@ def cpu_snapshot(peer_pids: list[int]) -> CpuSnapshot:
             return 0.0
         return times.user + times.system
 
+    def used_by_loop(pid: int) -> float | None:
+        try:
+            threads = psutil.Process(pid).threads()
+        except psutil.NoSuchProcess:
+            return 0.0
+        except psutil.Error:
+            return None
+        # on Linux a process's main thread has the process's id; elsewhere the ids are not comparable
+        main = [t for t in threads if t.id == pid]
+        return main[0].user_time + main[0].system_time if main else None
+
     machine = psutil.cpu_times()
     busy = sum(getattr(machine, name, 0.0) for name in BUSY_FIELDS)
-    return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], busy)
+    return CpuSnapshot(used(None), [used(pid) for pid in peer_pids], busy, [used_by_loop(pid) for pid in peer_pids])
 
 
 def cpu_share(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict:
     """The CPUs a load kept busy, on average over its wall time: the bench's own process (the OpenAI
     clients streaming the replies, on the same machine as the mesh), each peer, and the machine in all
-    (``cpus`` of them). It tells how much of the machine the mesh had, and how much the client took."""
+    (``cpus`` of them). It tells how much of the machine the mesh had, and how much the client took.
+    ``loops``: the part of each peer's share its event loop took (None where not known): work done per
+    session and message rather than per batch, serial with the hops' computes while one wave travels."""
     wall_s = max(wall_s, 1e-9)
 
     def share(b: float, a: float) -> float:
         return round(max(0.0, a - b) / wall_s, 4)
 
+    loops = [None if b is None or a is None else share(b, a)
+             for b, a in zip(before.loops, after.loops, strict=True)]
     return {"client": share(before.client, after.client),
             "peers": [share(b, a) for b, a in zip(before.peers, after.peers, strict=True)],
-            "machine": share(before.machine, after.machine), "cpus": psutil.cpu_count()}
+            "loops": loops, "machine": share(before.machine, after.machine), "cpus": psutil.cpu_count()}
 
 
 def say(message: str) -> None:
