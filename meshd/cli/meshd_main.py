@@ -250,6 +250,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"meshd: bad configuration: {exc}", file=sys.stderr)
         return 2
     from meshd.daemon.peer import Peer  # torch and the model code: after the settings are known good
+    from meshd.runtime.heap import manage_heap
     recent = RecentRecords()
     context = configure_logging(config.log_level, config.log_format, recent=recent,
                                 quiet=("hpack", "h2", "httpx", "httpx2", "filelock"))
@@ -258,6 +259,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         peer = Peer(config, recent_logs=recent)
         context.peer = peer.peer_id
+        manage_heap()
         trio.run(run_until_signalled, peer.run, logging.getLogger("meshd"), peer.leave)
     except BaseException as exc:  # only OS and meshd errors are reported in one line; the rest re-raised
         error = reportable(exc)

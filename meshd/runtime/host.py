@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from meshd.runtime import heap
 from meshd.runtime.backends import open_shard
 from meshd.runtime.batching import StepBatcher
 from meshd.runtime.cpu_turn import CpuTurn
@@ -173,6 +174,7 @@ class ShardHost:
         shard = await self.compute.run(lambda: open_shard(self.model_dir, start, end, **self._shard_options))
         outcome = await self.compute.run(check, shard) if check is not None else None
         self.shard = shard
+        heap.settle()  # what loading left behind is collected, the rest frozen: full passes stay short
         self.loaded.set()
         log.info("loaded layers [%d, %d): %.1f MB of weights", start, end, shard.parameter_bytes() / 1e6)
         return outcome
@@ -261,6 +263,7 @@ class ShardHost:
         return self.shard.kv.free_bytes
 
     def close(self) -> None:
+        heap.thaw()  # the shard's objects may be collected once this host is dropped
         self.compute.close()
         if self.cpu_turn is not None:
             self.cpu_turn.close()
