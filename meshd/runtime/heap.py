@@ -2,11 +2,12 @@
 
 A peer's heap holds a few hundred thousand objects that live as long as it does: the modules of torch,
 transformers and the rest of the daemon, and a loaded shard's. CPython's full collection visits every
-one of them; in a bench peer one took 100-460 ms, and while it runs neither the event loop nor the
-compute thread moves (docs/benchmarks.md, "Where a loaded mesh's time goes"). So a daemon collects
-once after a shard is loaded and freezes what survives (:func:`gc.freeze`): later full passes visit
-only what was allocated since. Unloading thaws the frozen objects again, so that what the old shard
-leaves in reference cycles is collected rather than kept for good.
+one of them; in a bench peer under load one took about 0.2 s, and while it runs neither the event
+loop nor the compute thread moves (docs/benchmarks.md, "Where a loaded mesh's time goes"). So a daemon
+collects once when it starts and once after a shard is loaded, and freezes what survives
+(:func:`gc.freeze`): later full passes visit only what was allocated since. Unloading thaws the
+frozen objects again, so that what the old shard leaves in reference cycles is collected rather than
+kept for good.
 
 Only a process that calls :func:`manage_heap` (``meshd run``) does this; tests that load shards in
 their own process keep the collector as it is.
