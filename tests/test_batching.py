@@ -458,11 +458,14 @@ class _CostedRecorder(_Recorder):
         return StepResult(token=bundle.start_position), self._cost(1)
 
 
-async def _looping(batcher, name: str, start: float, steps: int, away: float, calls: list) -> None:
+async def _looping(batcher, name: str, start: float, steps: int, away: float, calls: list,
+                   late: dict[int, float] | None = None) -> None:
     """A session of a route: each decode step submitted ``away`` seconds after the last one's result
-    (the time it spends at the other hops), as a real route's sessions come back."""
+    (the time it spends at the other hops), as a real route's sessions come back; the step at position
+    ``p`` another ``late[p]`` seconds later."""
     await trio.sleep_until(start)
     for position in range(1, steps + 1):
+        await trio.sleep((late or {}).get(position, 0.0))
         await batcher.submit(_bundle(name, Phase.DECODE, position))
         await trio.sleep(away)
     calls.append(name)
@@ -931,6 +934,8 @@ async def _ring(waves_at: set[int], sessions: int = 6, steps: int = 30) -> tuple
             for hop in hops:
                 await hop.submit(_bundle(name, Phase.DECODE, position))
                 await trio.sleep(0.001 * (int(name[1:]) + 1))
+        for hop in hops:  # the route's hops release the session
+            hop.forget(name, 0)
 
     async with trio.open_nursery() as nursery:
         for i in range(sessions):
@@ -951,3 +956,75 @@ async def test_waves_formed_where_routes_enter_move_through_the_route_whole(auto
     end, apart = await _ring(set())
     assert all(max(len(call) for call in hop) < 6 for hop in apart)  # no hop forming waves: none form
     assert waves_s < end - start
+
+
+
+async def _pair_with_b_late(late: dict[int, float], steps: int = 12) -> tuple[_CostedRecorder, StepBatcher]:
+    """Sessions a and b drawn into one wave by the hop where routes enter, on a shared machine (a row
+    costs 1 s, two 1.2 s), each back 5 s after its result; b's steps at the positions in ``late`` come
+    that many seconds later."""
+    rec = _CostedRecorder({1: 1.0, 2: 1.2})
+    batcher = StepBatcher(rec.batch, rec.one, shared_machine=lambda: True, forms_waves=lambda: True)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_looping, batcher, "a", start, steps, 5.0, [])
+        nursery.start_soon(_looping, batcher, "b", start + 0.001, steps, 5.0, [], late)
+    return rec, batcher
+
+
+async def test_where_waves_form_a_late_wave_mate_is_waited_for_until_taken_to_be_gone(autojump_clock):
+    """b, in a wave with a, comes 2 s late once (its period is about 6.2 s): the hop waits for it rather
+    than computing a alone and b after it, and the wave stays whole (it came apart for four steps when
+    a late session was waited for only a tenth of a step past its due time). At 6 s late, past half a
+    period, b is taken to be gone: a computes alone, and b, once back, waits for a and the wave forms
+    again."""
+    rec, _ = await _pair_with_b_late({6: 2.0})
+    sizes = [len(call) for call in rec.calls]
+    assert sizes[:3] == [1, 1, 1] and sizes[3:-1] == [2] * 10  # b is a step behind a: its last alone
+    rec, _ = await _pair_with_b_late({6: 6.0})
+    sizes = [len(call) for call in rec.calls]
+    assert sizes[3:].count(1) == 3 and sizes[-5:-1] == [2] * 4
+
+
+async def _wave_arriving(late: dict[int, float], steps: int = 12) -> tuple[_CostedRecorder, StepBatcher]:
+    """A later hop on a shared machine (a row costs 1 s, two 1.2 s) getting a wave of a and b from the
+    hop before, b 1 ms after a, or ``late[p]`` seconds after it at position ``p``; both back 5 s after
+    their results."""
+    rec = _CostedRecorder({1: 1.0, 2: 1.2})
+    batcher = StepBatcher(rec.batch, rec.one, shared_machine=lambda: True, forms_waves=lambda: False)
+    for position in range(1, steps + 1):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.submit, _bundle("a", Phase.DECODE, position))
+            await trio.sleep(late.get(position, 0.001))
+            nursery.start_soon(batcher.submit, _bundle("b", Phase.DECODE, position))
+        await trio.sleep(5.0)
+    return rec, batcher
+
+
+async def test_past_the_first_hop_a_wave_mate_is_waited_for_past_the_lull_up_to_the_cap(autojump_clock):
+    """A later hop ends a hold 0.1 s after the last step arrived (the lull), but not while a session that
+    ran here with one now queued is missing: b, 0.5 s behind a once, is computed with it (it was not
+    when the lull ended every hold). One 3 s behind is waited for up to the cap (two one-row steps,
+    2 s), and the wave, back together, computes whole again."""
+    rec, _ = await _wave_arriving({6: 0.5})  # from the third step on, both have periods to be expected by
+    assert [sorted(call) for call in rec.calls[4:]] == [["a", "b"]] * 10
+    rec, batcher = await _wave_arriving({6: 3.0})
+    calls = [sorted(call) for call in rec.calls[4:]]
+    assert calls == [["a", "b"]] * 3 + [["a"], ["b"]] + [["a", "b"]] * 6
+    assert 2.0 <= batcher.stats.held_s <= 2.0 + 0.1 * batcher.stats.held_batches + 1e-6
+
+
+async def test_a_hold_ends_when_the_session_waited_for_ends(autojump_clock):
+    """a is held for b, a wave mate due back with it; b's session ends here (the hop releases it) 0.5 s
+    into the hold: a's step computes then, not when b would have been taken to be gone (3.1 s late)."""
+    rec = _CostedRecorder({1: 1.0, 2: 1.2})
+    batcher = StepBatcher(rec.batch, rec.one, shared_machine=lambda: True, forms_waves=lambda: True)
+    results: list = []
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        nursery.start_soon(_submit_at, batcher, "a", [start, start + 6.2, start + 12.4], results)
+        nursery.start_soon(_submit_at, batcher, "b", [start, start + 6.2], results)
+        await trio.sleep(12.4 + 0.5)
+        batcher.forget("b", 0)
+    assert [sorted(call) for call in rec.calls[:2]] == [["a", "b"]] * 2
+    assert rec.calls[2:] == [["a"]] and results[-1][3] == 500

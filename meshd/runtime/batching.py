@@ -55,6 +55,16 @@ last step plus its period). Whether waiting pays depends on where the route's ho
   every hop to wait a period, each would wait for sessions that another holds for it, and the
   machine's cores would idle while all of them wait; were a later hop to wait out its cap whenever
   a wave had split, it would wait, at every step, for sessions that the first hop holds.
+
+  A wave's sessions do not always come back together: a step handed on a few milliseconds late
+  (the sending hop's event loop descheduled while the next hop computes), or a round slower than
+  half a period, which makes every session of the wave look gone. Were the wave then computed
+  without its late *mates* (the sessions that ran here in one batch with a session now queued),
+  it would come apart for good: each part pays for its own step at every hop, the parts arrive
+  further apart at every round, and the first hop's expectations, drawn from periods the split
+  disturbs, miss them. So a mate is waited for even when late: where waves form, until it is
+  ``LATE_SHARE`` of its period late and taken to be gone; past the first hop, whatever the lull,
+  until the cap. A session that ends here (the hop releases it) is waited for no longer.
 - **On machines of their own**, hops are idle between waves anyway, and several waves keep all of
   them busy: the batcher holds only for sessions due within ``hold_factor`` one-row steps (those
   would arrive while the batch computes and then run alone after it), and waves spread over a
@@ -89,6 +99,7 @@ PROMPT_SHARE_MAX = 4  # prompts computed together slice for at most this many ti
 IN_FLIGHT_STEPS = 2  # past the first hop, a batch waits at most this many one-row steps for a wave's sessions
 QUIET_STEPS = 0.1  # ... and no longer than this share of a one-row step after the last step arrived,
 QUIET_MIN_S = 0.002  # ... or this long, if longer: a batch's steps reach the next hop within a millisecond or two
+LATE_SHARE = 0.5  # a session this share of its period late is taken to be gone (finished, or elsewhere)
 RESTARTS_MAX = 3  # a prefill run starts again at most this many times to take in chunks queued behind it
 
 
@@ -165,6 +176,7 @@ class _Rhythm:
     period: float | None = None
     away: float | None = None
     out_since: float | None = None  # its last result was handed out then, and its next step is not here yet
+    batch: int | None = None  # the decode batch it last ran in here: its wave mates ran in it too
     _seen: bool = False
 
     def arrived(self, now: float) -> None:
@@ -182,6 +194,18 @@ class _Rhythm:
         if self.out_since is None or self.away is None:
             return None
         return self.out_since + self.away
+
+
+@dataclass
+class _Hold:
+    """Whom the next decode batch waits for, and until when; past the first hop on a shared machine,
+    also how long it may go on after the last step arrived (``quiet``) while none of ``mates`` (the
+    sessions that ran here with one now queued) is missing."""
+
+    wanted: set[tuple[str, int]]
+    until: float
+    quiet: float | None = None
+    mates: set[tuple[str, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -252,6 +276,7 @@ class StepBatcher:
         self._turn = trio.Lock()
         self._arrived = trio.Event()  # set (and replaced) whenever a step is queued
         self._rhythm: dict[tuple[str, int], _Rhythm] = {}
+        self._batches_run = 0  # numbers the decode batches for the rhythms (the stats' count may be reset)
         self.stats = BatchStats()
 
     @property
@@ -264,8 +289,10 @@ class StepBatcher:
         return len(self._queue)
 
     def forget(self, session_id: str, epoch: int) -> None:
-        """The session has ended here: nobody waits for its next step."""
-        self._rhythm.pop((session_id, epoch), None)
+        """The session has ended here: nobody waits for its next step (a hold waiting for it ends)."""
+        if self._rhythm.pop((session_id, epoch), None) is not None:
+            self._arrived.set()
+            self._arrived = trio.Event()
 
     async def submit(self, bundle: HiddenStateBundle) -> StepResult:
         step = _Step(bundle)
@@ -302,9 +329,8 @@ class StepBatcher:
         assert step.result is not None
         return step.result
 
-    def _expected(self, now: float) -> tuple[set[tuple[str, int]], float, float | None] | None:
-        """Sessions worth holding the next decode batch for, until when, and how long the hold may go
-        on after the last step arrived (None: until then); None when none are worth holding for."""
+    def _expected(self, now: float) -> _Hold | None:
+        """Sessions worth holding the next decode batch for, and how long; None when none are."""
         solo = self.costs.decode_s(1)
         if self.hold_factor <= 0 or solo is None:
             return None
@@ -312,26 +338,37 @@ class StepBatcher:
         present = {s.key for s in queued}
         if not queued or len(present) >= self.max_batch:
             return None
-        due: list[tuple[float, tuple[str, int], float]] = []
-        for key, rhythm in self._rhythm.items():
-            if key in present or rhythm.period is None:
-                continue
-            eta = rhythm.last + rhythm.period - now
-            if -0.5 * rhythm.period < eta:  # long overdue: finished, or gone elsewhere
-                due.append((max(0.0, eta), key, rhythm.period))
-        if not due:
-            return None
-        due.sort()
         shared = self._shared_machine()
         self.stats.shared_machine = shared
         waves = shared and self._forms_waves()
         # past the first hop, a shared machine's batch waits for the sessions a wave brings, but not for long
         cap = None if waves or not shared else now + IN_FLIGHT_STEPS * self.hold_factor * solo
+        mates: set[tuple[str, int]] = set()
+        if shared:  # the wave in flight: sessions that ran here with one now queued
+            batches = {self._rhythm[key].batch for key in present if key in self._rhythm}
+            mates = {key for key, rhythm in self._rhythm.items()
+                     if key not in present and rhythm.batch is not None and rhythm.batch in batches}
+        due: list[tuple[float, tuple[str, int], float, float]] = []
+        for key, rhythm in self._rhythm.items():
+            if key in present or rhythm.period is None:
+                continue
+            eta = rhythm.last + rhythm.period - now
+            if -LATE_SHARE * rhythm.period < eta or key in mates:  # long overdue: gone, unless a wave mate
+                due.append((max(0.0, eta), key, rhythm.period, rhythm.last + (1 + LATE_SHARE) * rhythm.period))
+        if not due:
+            return None
+        due.sort()
         rows = sum(s.rows for s in queued)
         room = self.max_batch - len(present)
         wanted: set[tuple[str, int]] = set()
         until = now
-        for count, (eta, key, period) in enumerate(due[:room], start=1):
+        for count, (eta, key, period, gone) in enumerate(due[:room], start=1):
+            if key in mates:
+                # a wave that came apart is drawn together again at once: a late mate is waited for until
+                # it is taken to be gone (past the first hop, until the cap)
+                wanted.add(key)
+                until = max(until, now + eta + 0.1 * solo, gone)
+                continue
             if shared:
                 apart = (self.costs.decode_s(rows) or solo) + (self.costs.decode_s(count) or solo)
                 together = self.costs.decode_s(rows + count) or solo
@@ -341,22 +378,32 @@ class StepBatcher:
             if limit <= 0 or eta > limit:
                 break
             wanted.add(key)
-            until = now + eta + 0.1 * solo
-        quiet: float | None = None
-        if cap is not None:
-            until = min(until, cap)
-            quiet = max(QUIET_STEPS * solo, QUIET_MIN_S)  # how fast steps come, not how long holding pays
-        return (wanted, until, quiet) if wanted else None
+            until = max(until, now + eta + 0.1 * solo)
+        for eta, key, _, gone in due[:room]:  # mates due after the first session not worth holding for
+            if key in mates and key not in wanted:
+                wanted.add(key)
+                until = max(until, now + eta + 0.1 * solo, gone)
+        if not wanted:
+            return None
+        if cap is None:
+            return _Hold(wanted, until, mates=mates & wanted)
+        # how fast steps come, not how long holding pays; a missing wave mate is waited for to the cap
+        return _Hold(wanted, cap if wanted & mates else min(until, cap),
+                     max(QUIET_STEPS * solo, QUIET_MIN_S), mates & wanted)
 
     async def _hold(self) -> None:
-        expected = self._expected(trio.current_time())
-        if expected is None:
+        hold = self._expected(trio.current_time())
+        if hold is None:
             return
-        wanted, until, quiet = expected
         started = trio.current_time()
-        with trio.move_on_at(until):
-            while not wanted <= {s.key for s in self._queue if s.batchable}:
-                with trio.move_on_at(self._lull_ends(quiet)) as lull:
+        with trio.move_on_at(hold.until):
+            while True:
+                here = {s.key for s in self._queue if s.batchable}
+                missing = {key for key in hold.wanted - here if key in self._rhythm}  # not those that ended
+                if not missing:
+                    break
+                lull_ends = math.inf if missing & hold.mates else self._lull_ends(hold.quiet)
+                with trio.move_on_at(lull_ends) as lull:
                     await self._arrived.wait()
                 if lull.cancelled_caught:  # the wave in flight has come; the sessions still due are elsewhere
                     break
@@ -393,12 +440,14 @@ class StepBatcher:
         self.stats.decode_steps += len(decodes)
         self.stats.largest_batch = max(self.stats.largest_batch, len(decodes))
         self.stats.batch_sizes[len(decodes)] = self.stats.batch_sizes.get(len(decodes), 0) + 1
+        self._batches_run += 1
+        batch = self._batches_run
         await self._run(decodes)
         now = trio.current_time()
         for step in decodes:
             rhythm = self._rhythm.get(step.key)
             if rhythm is not None and step.error is None:
-                rhythm.out_since = now
+                rhythm.out_since, rhythm.batch = now, batch
 
     def _slice_plan(self, prompts: int) -> tuple[int, float, float]:
         """When a prefill slice of ``prompts`` sessions' chunks starting now may pause: once this many
