@@ -353,7 +353,8 @@ class StepBatcher:
             if key in present or rhythm.period is None:
                 continue
             eta = rhythm.last + rhythm.period - now
-            if -LATE_SHARE * rhythm.period < eta or key in mates:  # long overdue: gone, unless a wave mate
+            # long overdue: gone; past the first hop a wave mate is waited for anyway, up to the cap
+            if -LATE_SHARE * rhythm.period < eta or (key in mates and cap is not None):
                 due.append((max(0.0, eta), key, rhythm.period, rhythm.last + (1 + LATE_SHARE) * rhythm.period))
         if not due:
             return None
