@@ -361,14 +361,13 @@ class StepBatcher:
         due.sort()
         rows = sum(s.rows for s in queued)
         room = self.max_batch - len(present)
-        wanted: set[tuple[str, int]] = set()
-        until = now
-        for count, (eta, key, period, gone) in enumerate(due[:room], start=1):
+        # a wave that came apart is drawn together again at once: a late mate is waited for until it is
+        # taken to be gone (past the first hop, until the cap)
+        waited = [(eta, key, gone) for eta, key, _, gone in due[:room] if key in mates]
+        wanted = {key for _, key, _ in waited}
+        until = max([now] + [max(now + eta + 0.1 * solo, gone) for eta, _, gone in waited])
+        for count, (eta, key, period, _) in enumerate(due[:room], start=1):
             if key in mates:
-                # a wave that came apart is drawn together again at once: a late mate is waited for until
-                # it is taken to be gone (past the first hop, until the cap)
-                wanted.add(key)
-                until = max(until, now + eta + 0.1 * solo, gone)
                 continue
             if shared:
                 apart = (self.costs.decode_s(rows) or solo) + (self.costs.decode_s(count) or solo)
@@ -380,10 +379,6 @@ class StepBatcher:
                 break
             wanted.add(key)
             until = max(until, now + eta + 0.1 * solo)
-        for eta, key, _, gone in due[:room]:  # mates due after the first session not worth holding for
-            if key in mates and key not in wanted:
-                wanted.add(key)
-                until = max(until, now + eta + 0.1 * solo, gone)
         if not wanted:
             return None
         if cap is None:
