@@ -274,7 +274,7 @@ class StepBatcher:
         self._forms_waves = forms_waves if forms_waves is not None else (lambda: True)
         self._queue: list[_Step] = []
         self._turn = trio.Lock()
-        self._arrived = trio.Event()  # set (and replaced) whenever a step is queued
+        self._arrived = trio.Event()  # set (and replaced) whenever a step is queued or a session ends
         self._rhythm: dict[tuple[str, int], _Rhythm] = {}
         self._batches_run = 0  # numbers the decode batches for the rhythms (the stats' count may be reset)
         self.stats = BatchStats()
@@ -291,8 +291,12 @@ class StepBatcher:
     def forget(self, session_id: str, epoch: int) -> None:
         """The session has ended here: nobody waits for its next step (a hold waiting for it ends)."""
         if self._rhythm.pop((session_id, epoch), None) is not None:
-            self._arrived.set()
-            self._arrived = trio.Event()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake whatever waits on the queue (a hold, the batching loop) to look at it again."""
+        self._arrived.set()
+        self._arrived = trio.Event()
 
     async def submit(self, bundle: HiddenStateBundle) -> StepResult:
         step = _Step(bundle)
@@ -302,8 +306,7 @@ class StepBatcher:
             self._decodes_queued += 1
         else:
             self._prompts_queued += 1
-        self._arrived.set()
-        self._arrived = trio.Event()
+        self._wake()
         try:
             while not step.taken:
                 # a step taken by another's cycle stops waiting for the turn: its result may come long
