@@ -17,7 +17,7 @@ import pytest
 from meshd.bench.baseline import BaselineResult
 from meshd.bench.report import build_report, format_summary
 from meshd.bench.runner import CpuSnapshot, MeshResult, compute_share, cpu_share, cpu_snapshot
-from meshd.bench.wakeup import idle_policy
+from meshd.bench.wakeup import idle_between, idle_policy, idle_residency
 from meshd.bench.workload import StreamTiming
 from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
@@ -133,6 +133,29 @@ def test_the_idle_policy_is_read_from_sysfs_and_none_where_the_kernel_does_not_s
     assert idle_policy(tmp_path)["guest_halt_poll_ns"] is None
 
 
+def test_idle_residency_sums_each_state_over_the_cpus_and_skips_what_it_cannot_read(tmp_path):
+    assert idle_residency(tmp_path) == {}
+    cpus = tmp_path / "devices/system/cpu"
+    for cpu, (polled, halted) in {"cpu0": (1_500_000, 2_000_000), "cpu1": (250_000, 4_000_000)}.items():
+        for index, (name, micros) in enumerate([("POLL", polled), ("haltpoll idle", halted)]):
+            state = cpus / cpu / "cpuidle" / f"state{index}"
+            state.mkdir(parents=True)
+            (state / "name").write_text(f"{name}\n")
+            (state / "time").write_text(f"{micros}\n")
+    (cpus / "cpufreq").mkdir()  # not a CPU
+    broken = cpus / "cpu1/cpuidle/state2"
+    broken.mkdir()
+    (broken / "name").write_text("C2\n")
+    (broken / "time").write_text("garbage\n")
+    before = idle_residency(tmp_path)
+    assert before == {"POLL": pytest.approx(1.75), "haltpoll idle": pytest.approx(6.0)}
+    (cpus / "cpu0/cpuidle/state0/time").write_text("2000000\n")
+    (cpus / "cpu1/cpuidle/state1/time").write_text("7000000\n")
+    assert idle_between(before, idle_residency(tmp_path)) == {"POLL": 0.5, "haltpoll idle": 3.0}
+    # a state that appeared only later counts from zero
+    assert idle_between({}, {"POLL": 1.25}) == {"POLL": 1.25}
+
+
 def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():
     mesh = MeshResult(peers=1, ranges=[(0, 4)], runs=[StreamTiming("x", 8, 0.2, 0.7, 8)], baseline_tok_s=[10.0],
                       identical=[True], hop_stats=[_hop_stats(100.0, 1)], peer_ids=["a"], rss_mb=[1.0])
@@ -141,10 +164,12 @@ def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():
     trip = {"hot": {"p50": 10.0}, "idle": {"p50": 50.0}}
     meta = {"model": "m", "prompt_tokens": 8, "new_tokens": 8, "torch_threads": 1, "cpu_count": 2}
 
-    def wake_line(policy: dict | None) -> str:
-        wakeup = {"idle_ms": 20.0, "thread_handoff_us": trip, "process_round_trip_us": trip}
+    def wake_line(policy: dict | None, idle_s_by_state: dict | None = None) -> str:
+        wakeup: dict = {"idle_ms": 20.0, "thread_handoff_us": trip, "process_round_trip_us": trip}
         if policy is not None:
             wakeup["idle_policy"] = policy
+        if idle_s_by_state is not None:
+            wakeup["idle_s_by_state"] = idle_s_by_state
         summary = format_summary(build_report({**meta, "wakeup": wakeup}, baseline, [mesh]))
         return next(line for line in summary.splitlines() if line.startswith("wake-ups"))
 
@@ -154,6 +179,13 @@ def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():
         "10 / 50 (cpuidle haltpoll/haltpoll, an idle vCPU halts at once)")
     assert wake_line({"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 200000}).endswith(
         "(cpuidle haltpoll/haltpoll, an idle vCPU polls up to 200 us before it halts)")
+    # what the idle CPUs did while it ran, which the setting alone does not say
+    halting = {"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 0}
+    assert wake_line(halting, {"POLL": 30.0, "haltpoll idle": 90.0}).endswith(
+        "(cpuidle haltpoll/haltpoll, an idle vCPU halts at once; while it ran, idle CPUs polled 25% of their "
+        "120 s idle)")
+    assert wake_line(halting, {"haltpoll idle": 60.0}).endswith("polled 0% of their 60 s idle)")
+    assert wake_line(halting, {}).endswith("an idle vCPU halts at once)")
     assert wake_line({"driver": "intel_idle", "governor": "menu", "guest_halt_poll_ns": None}).endswith(
         "10 / 50 (cpuidle intel_idle/menu)")
     # the poll time is the haltpoll governor's: under another one it decides nothing
@@ -219,6 +251,10 @@ def test_bench_on_tiny_model_writes_a_complete_report(tmp_path, tiny_model):
     for kind in ("thread_handoff_us", "process_round_trip_us"):
         assert all(report["wakeup"][kind][when]["p50"] > 0 for when in ("hot", "idle")), kind
     assert set(report["wakeup"]["idle_policy"]) == {"driver", "governor", "guest_halt_poll_ns"}
+    idle = report["wakeup"]["idle_s_by_state"]
+    assert set(idle) == set(idle_residency()) and all(v >= 0 for v in idle.values())
+    if idle:  # a kernel with cpuidle: the CPUs were idle for some of the run (2 peers on the machine's CPUs)
+        assert sum(idle.values()) > 0
     assert [len(report["peer_rss_mb"][k]) for k in ("1", "2")] == [1, 2]
     assert all(v > 0 for values in report["peer_rss_mb"].values() for v in values)
     assert report["seam_ms"]["1"]["p50"] is None  # one peer: no hidden-state seam, only the entry's
@@ -257,6 +293,7 @@ def test_the_gguf_bench_measures_both_engines_against_llama_cpp(tmp_path, tiny_m
     report = json.loads(out.read_text())
     assert report["format"] == "gguf" and report["quantization"] == "q8_0"
     assert report["file_bytes"] == gguf_file.stat().st_size
+    assert set(report["wakeup"]["idle_s_by_state"]) == set(idle_residency())
     assert set(report["paths"]) == {"llama.cpp", "torch"}
     assert report["paths"]["llama.cpp"]["numerics"] == "llama.cpp/cpu/gguf-q8_0"
     assert report["paths"]["torch"]["numerics"].endswith("/gguf-q8_0")

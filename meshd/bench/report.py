@@ -217,7 +217,16 @@ def _idle_policy(wake: dict) -> str:
     poll = policy.get("guest_halt_poll_ns") if policy.get("governor") == "haltpoll" else None  # else unused
     polls = ("" if poll is None else ", an idle vCPU halts at once" if poll == 0
              else f", an idle vCPU polls up to {poll / 1000:g} us before it halts")
-    return f" (cpuidle {policy['driver']}/{policy.get('governor') or '?'}{polls})"
+    return f" (cpuidle {policy['driver']}/{policy.get('governor') or '?'}{polls}{_idle_residency(wake)})"
+
+
+def _idle_residency(wake: dict) -> str:
+    """How the idle CPUs spent their idle time while the benchmark ran, where the report has it."""
+    by_state = wake.get("idle_s_by_state") or {}
+    idle = sum(by_state.values())
+    if idle <= 0:
+        return ""
+    return f"; while it ran, idle CPUs polled {by_state.get('POLL', 0.0) / idle:.0%} of their {idle:.0f} s idle"
 
 
 def format_summary(report: dict) -> str:

@@ -34,7 +34,7 @@ import psutil
 from meshd import __version__
 from meshd.bench.baseline import Baseline, BaselineResult
 from meshd.bench.report import build_report, link_report
-from meshd.bench.wakeup import measure_wakeups
+from meshd.bench.wakeup import idle_between, idle_residency, measure_wakeups
 from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, LocalPeer
@@ -319,6 +319,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
     load_start = os.getloadavg()
     if load_start[0] > 0.5:
         say(f"note: 1-minute load average is {load_start[0]:.2f} before starting; other work skews the figures")
+    idle_at_start = idle_residency()
     say("wake-up latency of this machine (threads and processes, hot and after idling)")
     wakeups = measure_wakeups()
     shapers = _calibrate_links(cfg.links, say)
@@ -362,7 +363,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         **machine_meta(baseline.torch_threads, load_start[0]),
         "dtype": cfg.dtype if int8 else str(held).removeprefix("torch."),
         "numerics": meshes[0].numerics if meshes else None,
-        "wakeup": wakeups,
+        "wakeup": {**wakeups, "idle_s_by_state": idle_between(idle_at_start, idle_residency())},
     }
     meta["speculative"] = setups[0].speculative
     meta["draft_model"] = draft_dir.name if draft_dir is not None else None
@@ -525,6 +526,7 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
     prompt = build_prompt(tokenizer, cfg.prompt_tokens)
     threads = torch.get_num_threads()
     load_start = os.getloadavg()
+    idle_at_start = idle_residency()
     say("wake-up latency of this machine (threads and processes, hot and after idling)")
     wakeups = measure_wakeups()
     say(f"baseline: llama.cpp, {gguf_path.name} whole in this process, {threads} threads")
@@ -548,7 +550,8 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
         "physical_cores": psutil.cpu_count(logical=False), "meshd_version": __version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)], "wakeup": wakeups,
+        "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "wakeup": {**wakeups, "idle_s_by_state": idle_between(idle_at_start, idle_residency())},
     }
     from meshd.runtime.loader import checkpoint_dtype
 

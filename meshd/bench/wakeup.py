@@ -15,7 +15,11 @@ the machine's and how much is ours:
   how fast peers that take turns at the same CPUs compute): the ``cpuidle`` driver and governor, and
   on a virtual machine under the ``haltpoll`` governor how long an idle vCPU polls before it halts and
   waits on the hypervisor (``guest_halt_poll_ns``; 0 halts at once). None where the kernel does not
-  say.
+  say;
+- ``idle_s_by_state``: what the idle CPUs then did while the whole benchmark ran, as seconds in each
+  ``cpuidle`` state summed over the CPUs (``POLL`` is polling, the others halt or sleep deeper). The
+  setting alone does not say it: under ``haltpoll`` a CPU's poll window adapts, and one that grew while
+  polling was allowed goes on polling for a while after ``guest_halt_poll_ns`` is set back to 0.
 """
 
 from __future__ import annotations
@@ -113,6 +117,22 @@ def idle_policy(sys_root: Path = Path("/sys")) -> dict[str, str | int | None]:
     return {"driver": _read(cpuidle / "current_driver"), "governor": _read(cpuidle / "current_governor_ro")
             or _read(cpuidle / "current_governor"),
             "guest_halt_poll_ns": int(poll) if poll is not None and poll.isdigit() else None}
+
+
+def idle_residency(sys_root: Path = Path("/sys")) -> dict[str, float]:
+    """Seconds every CPU has spent in each idle state since boot, summed by state name (empty where
+    the kernel has no ``cpuidle``)."""
+    seconds: dict[str, float] = {}
+    for state in sorted((sys_root / "devices/system/cpu").glob("cpu[0-9]*/cpuidle/state[0-9]*")):
+        name, micros = _read(state / "name"), _read(state / "time")
+        if name is not None and micros is not None and micros.isdigit():
+            seconds[name] = seconds.get(name, 0.0) + int(micros) / 1e6
+    return seconds
+
+
+def idle_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds in each idle state from one :func:`idle_residency` reading to a later one."""
+    return {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
 
 
 def measure_wakeups(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
