@@ -17,7 +17,7 @@ import pytest
 from meshd.bench.baseline import BaselineResult
 from meshd.bench.report import build_report, format_summary
 from meshd.bench.runner import CpuSnapshot, MeshResult, compute_share, cpu_share, cpu_snapshot
-from meshd.bench.wakeup import idle_between, idle_policy, idle_residency
+from meshd.bench.wakeup import idle_policy, idle_residency, idle_since
 from meshd.bench.workload import StreamTiming
 from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
@@ -151,9 +151,9 @@ def test_idle_residency_sums_each_state_over_the_cpus_and_skips_what_it_cannot_r
     assert before == {"POLL": pytest.approx(1.75), "haltpoll idle": pytest.approx(6.0)}
     (cpus / "cpu0/cpuidle/state0/time").write_text("2000000\n")
     (cpus / "cpu1/cpuidle/state1/time").write_text("7000000\n")
-    assert idle_between(before, idle_residency(tmp_path)) == {"POLL": 0.5, "haltpoll idle": 3.0}
+    assert idle_since(before, tmp_path) == {"POLL": 0.5, "haltpoll idle": 3.0}
     # a state that appeared only later counts from zero
-    assert idle_between({}, {"POLL": 1.25}) == {"POLL": 1.25}
+    assert idle_since({"POLL": 2.0}, tmp_path) == {"POLL": 0.25, "haltpoll idle": 9.0}
 
 
 def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():

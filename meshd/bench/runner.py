@@ -34,7 +34,7 @@ import psutil
 from meshd import __version__
 from meshd.bench.baseline import Baseline, BaselineResult
 from meshd.bench.report import build_report, link_report
-from meshd.bench.wakeup import idle_between, idle_residency, measure_wakeups
+from meshd.bench.wakeup import idle_residency, idle_since, measure_wakeups
 from meshd.bench.workload import Prompt, StreamTiming, build_prompt, stream_completion
 from meshd.cli.demo import even_ranges
 from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, LocalPeer
@@ -363,7 +363,7 @@ def run_bench(cfg: BenchConfig, say: Say) -> dict:
         **machine_meta(baseline.torch_threads, load_start[0]),
         "dtype": cfg.dtype if int8 else str(held).removeprefix("torch."),
         "numerics": meshes[0].numerics if meshes else None,
-        "wakeup": {**wakeups, "idle_s_by_state": idle_between(idle_at_start, idle_residency())},
+        "wakeup": {**wakeups, "idle_s_by_state": idle_since(idle_at_start)},
     }
     meta["speculative"] = setups[0].speculative
     meta["draft_model"] = draft_dir.name if draft_dir is not None else None
@@ -551,7 +551,7 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
-        "wakeup": {**wakeups, "idle_s_by_state": idle_between(idle_at_start, idle_residency())},
+        "wakeup": {**wakeups, "idle_s_by_state": idle_since(idle_at_start)},
     }
     from meshd.runtime.loader import checkpoint_dtype
 

@@ -130,9 +130,10 @@ def idle_residency(sys_root: Path = Path("/sys")) -> dict[str, float]:
     return seconds
 
 
-def idle_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Seconds in each idle state from one :func:`idle_residency` reading to a later one."""
-    return {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
+def idle_since(before: dict[str, float], sys_root: Path = Path("/sys")) -> dict[str, float]:
+    """Seconds in each idle state since the :func:`idle_residency` reading ``before``."""
+    now = idle_residency(sys_root)
+    return {name: round(now[name] - before.get(name, 0.0), 3) for name in now}
 
 
 def measure_wakeups(samples: int = SAMPLES, idle_ms: float = IDLE_MS) -> dict:
