@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from meshd.models.builtin import directory_digest
 
 
@@ -50,6 +52,13 @@ def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path):
     assert run.stderr.strip() == ("meshd: bad configuration: listen: bad address '127.0.0.1:99999': "
                                   "port 99999 is outside 0-65535")
     assert not (tmp_path / "meshd-data").exists(), "nothing may start before the settings are valid"
+
+
+def test_join_takes_its_invite_once(tmp_path):
+    run = meshd("join", "TOKEN", "--invite", "OTHER", cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "meshd: join takes its invite as TOKEN; give --invite only to meshd run"
+    assert not (tmp_path / "meshd-data").exists()
 
 
 def test_a_port_in_use_is_one_line_naming_the_listener(tmp_path):
@@ -128,6 +137,70 @@ def test_every_command_and_option_says_what_it_does():
     for parser, name in ((meshd_parser(), "meshd"), (meshctl_parser(), "meshctl"), (relay_parser(), "meshd-relay")):
         walk(parser, name)
     assert silent == [], f"no --help text for: {', '.join(silent)}"
+
+
+@pytest.mark.parametrize(("command", "refused"), [
+    (["bench", "--serve", "--concurrency", "2", "--runs", "1"], "--serve does not take --concurrency, --runs"),
+    (["bench", "--prefix", "--new-tokens", "8"], "--prefix does not take --new-tokens"),
+    (["bench", "--prefill-workers", "--serve-requests", "3"], "--prefill-workers does not take --serve-requests"),
+    (["bench", "--serve-rates", "0.5"], "the standard workload does not take --serve-rates"),
+    (["bench", "--seed", "3", "--no-pin"], "the standard workload does not take --seed, --no-pin"),
+    (["bench", "--serve", "--prefix-tokens", "64"], "--serve does not take --prefix-tokens"),
+    (["bench", "--quant", "q4_k"], "does not take --quant without --format gguf"),
+    (["bench", "--draft-model", "draft"], "does not take --draft-model without --speculative model or auto"),
+    (["bench-relay", "--model", "tiny", "--runs", "2"], "--model is for --decode; --runs is for --decode"),
+    (["bench-relay", "--decode", "--link-caps", "4MB"], "--link-caps is for --compression"),
+    (["bench-relay", "--compression-samples", "3"], "--compression-samples is for --compression"),
+])
+def test_benchmarks_refuse_options_they_would_ignore(command, refused, capsys):
+    from meshd.cli import meshctl_main
+
+    with pytest.raises(SystemExit) as exit_:
+        meshctl_main.main(command)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert refused in err and len(err.strip().splitlines()) == 1
+
+
+def test_each_benchmark_gets_its_own_options_defaults():
+    from meshd.cli.meshctl_main import BENCH_OPTIONS, _bench_options_refused, build_parser
+
+    for benchmark, options in BENCH_OPTIONS.items():
+        flag = {"standard": [], "prefill-workers": ["--prefill-workers"]}.get(benchmark, [f"--{benchmark}"])
+        args = build_parser().parse_args(["bench", *flag])
+        # unset until the benchmark is known: that is how one given to another benchmark is told apart
+        assert all(getattr(args, dest) is None for dest, _default in options.values())
+        assert _bench_options_refused(args, benchmark) is False
+        assert {dest: getattr(args, dest) for dest, _default in options.values()} == dict(options.values())
+    args = build_parser().parse_args(["bench", "--serve", "--serve-clients", "2,3", "--seed", "7"])
+    assert _bench_options_refused(args, "serve") is False
+    assert (args.serve_clients, args.seed, args.serve_requests) == ((2, 3), 7, 8)
+    args = build_parser().parse_args(["bench", "--format", "gguf", "--quant", "q4_k", "--speculative", "model",
+                                      "--draft-model", "draft"])
+    assert _bench_options_refused(args, "standard") is False
+    assert (args.quant, args.draft_model, args.runs) == ("q4_k", "draft", 3)
+
+
+def test_a_gguf_bench_refuses_what_only_the_safetensors_one_takes(capsys):
+    from meshd.cli import meshctl_main
+
+    with pytest.raises(SystemExit) as exit_:
+        meshctl_main.main(["bench", "--format", "gguf", "--dtype", "bfloat16", "--speculative", "ngram"])
+    assert exit_.value.code == 1
+    assert "--format gguf does not take --dtype, --speculative" in capsys.readouterr().err
+
+
+def test_bench_relay_fills_in_the_defaults_of_the_measurements_asked_for():
+    from meshd.bench.relay_cli import LINK_CAPS, options_refused
+    from meshd.cli.meshctl_main import build_parser
+
+    args = build_parser().parse_args(["bench-relay", "--compression", "--compression-tokens", "384"])
+    assert options_refused(args) is None
+    assert (args.compression_tokens, args.compression_samples, args.link_caps) == (384, 20, LINK_CAPS)
+    assert (args.model, args.new_tokens, args.runs) == (None, None, None)  # --decode not asked for
+    args = build_parser().parse_args(["bench-relay", "--decode", "--compression"])
+    assert options_refused(args) is None
+    assert (args.model, args.new_tokens, args.runs, args.compression_tokens) == ("bench", 64, 3, 512)
 
 
 def test_the_relay_reports_a_port_in_use_in_one_line(tmp_path):

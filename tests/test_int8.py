@@ -141,3 +141,5 @@ def test_int8_is_a_dtype_setting_and_llama_cpp_refuses_it(tmp_path):
     gguf = gguf_model_dir(create_builtin_gguf("tiny", tmp_path / "tiny-q8_0.gguf", "q8_0"), tmp_path / "cache")
     with pytest.raises(ModelFormatError, match=r"GGUF file's own types; --dtype int8 applies to the torch backend"):
         choose_numerics(gguf, INT8, "cpu", backend="llama.cpp")
+    with pytest.raises(ModelFormatError, match=r"--numerics cpu/float32/rows1 names a class of the torch backend"):
+        choose_numerics(gguf, "auto", "cpu", backend="llama.cpp", pinned="cpu/float32/rows1")

@@ -394,8 +394,10 @@ def test_dialers_prefer_direct_addresses_and_cards_follow_reachability(tmp_path)
         return Reachability(config, Transport(Identity.generate()), Identity.generate(),
                             advertised=lambda: config.advertised, on_change=lambda: None)
 
-    assert reach("direct", ["192.0.2.5:7800"]).direct_addresses() == ["198.51.100.1:7700"]
-    assert reach("direct", ["192.0.2.5:7800"]).registrations == []
+    assert reach("direct", []).direct_addresses() == ["198.51.100.1:7700"]
+    assert reach("direct", []).registrations == []
+    with pytest.raises(ValueError, match="direct never uses them"):  # relays it would ignore are refused
+        reach("direct", ["192.0.2.5:7800"])
     assert reach("relayed", ["192.0.2.5:7800"]).direct_addresses() == []
     assert reach("auto", []).direct_addresses() == ["198.51.100.1:7700"]  # nothing to fall back on
     auto = reach("auto", ["192.0.2.5:7800"])

@@ -54,10 +54,17 @@ def test_a_dry_run_prints_every_file_and_command_and_touches_nothing(
         domain = "system" if scope == "system" else f"gui/{os.getuid()}"
         assert f"run launchctl bootstrap {domain} {inst.service_file}" in out
     assert list(tmp_path.iterdir()) == [], "a dry run wrote files"
+    assert (str(inst.state_dir) in out) is not relay, "only the peer has a data directory"
 
     rc, out, _ = _run_meshctl(capsys, "service", "uninstall", "--dry-run", f"--{scope}", "--platform", platform,
                               *(["--relay"] if relay else []))
     assert rc == 0 and f"remove {inst.service_file}" in out and "kept:" in out
+
+
+def test_the_relay_service_takes_no_data_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, err = _run_meshctl(capsys, "service", "install", "--dry-run", "--relay", "--data-dir", str(tmp_path))
+    assert rc == 2 and out == ""
+    assert err.strip() == "meshctl: meshd-relay keeps no state; --data-dir is for the meshd peer's service"
 
 
 def _systemd_analyze() -> str:

@@ -73,6 +73,9 @@ def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: 
     ("no_such_setting = 1", "unknown settings: no_such_setting"),
     ("prefill_only = true", "prefill_only needs a model and a pinned range"),
     ("prefill_workers = -1", "prefill_workers cannot be negative"),
+    ("draft_model = \"draft\"\nspeculative = \"ngram\"", "draft_model is for speculative = auto or model"),
+    ("open_mesh = true\ninvite = \"x\"", "an invite joins a private mesh and open_mesh takes part in an open one"),
+    ("relays = [\"127.0.0.1:7900\"]\nreachability = \"direct\"", "direct never uses them"),
     ("listen = ", "Invalid value"),
 ])
 def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path, toml: str,

@@ -302,8 +302,12 @@ def machine_meta(threads: int, load_start_1m: float) -> dict[str, Any]:
 def run_bench(cfg: BenchConfig, say: Say) -> dict:
     """Measure everything and return the report object (see :func:`meshd.bench.report.build_report`)."""
     if cfg.format == "gguf":
-        if cfg.links:
-            raise BenchError("--link applies to the safetensors benchmark, not to --format gguf")
+        # the file's quantization is the dtype, and both engines run without speculation on loopback
+        given = [flag for flag, set_ in (("--link", bool(cfg.links)), ("--dtype", cfg.dtype != "auto"),
+                                         ("--speculative", cfg.speculative != ("off",))) if set_]
+        if given:
+            raise BenchError(f"--format gguf does not take {', '.join(given)}: they apply to the safetensors "
+                             "benchmark (the GGUF file's quantization is its dtype)")
         return run_gguf_bench(cfg, say)
     _prepare(cfg)
     import torch

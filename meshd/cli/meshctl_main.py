@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from meshd.cli.mesh_cmd import ControlError, add_mesh_parsers
+from meshd.cli.mode_options import ModeTable, fill_defaults, misplaced
 from meshd.cli.replay_cmd import add_replay_parser
 from meshd.cli.service_cmd import add_service_parser
 from meshd.cli.sim_cmd import add_sim_parser
@@ -92,10 +93,52 @@ def _link_shapes(text: str) -> tuple[LinkShape, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# The options only one of ``meshctl bench``'s benchmarks takes, with their defaults (meshd.cli.mode_options).
+BENCH_OPTIONS: ModeTable = {
+    "standard": {"--concurrency": ("concurrency", (1, 4, 8)), "--prompt-tokens": ("prompt_tokens", 64),
+                 "--new-tokens": ("new_tokens", 128), "--runs": ("runs", 3), "--quant": ("quant", "q8_0"),
+                 "--draft-model": ("draft_model", None)},
+    "serve": {"--serve-rates": ("serve_rates", None), "--serve-clients": ("serve_clients", (4, 8)),
+              "--serve-requests": ("serve_requests", 8),
+              "--serve-prompt-tokens": ("serve_prompt_tokens", (32, 64, 128, 256, 512)),
+              "--serve-new-tokens": ("serve_new_tokens", (16, 32, 64, 128)),
+              "--serve-ttft-bound-s": ("serve_ttft_bound_s", 2.0), "--serve-share": ("serve_share", 0.8),
+              "--seed": ("seed", 0)},
+    "prefix": {"--prefix-tokens": ("prefix_tokens", 1024), "--prefix-conversations": ("prefix_conversations", 3),
+               "--prefix-new-tokens": ("prefix_new_tokens", 32)},
+    "prefill-workers": {"--workers-prompt-tokens": ("workers_prompt_tokens", 1536),
+                        "--workers-busy-tokens": ("workers_busy_tokens", 256),
+                        "--workers-new-tokens": ("workers_new_tokens", 16),
+                        "--workers-repeats": ("workers_repeats", 2), "--no-pin": ("workers_pin", True)},
+}
+_BENCH_NAMES = {"standard": "the standard workload", "serve": "--serve", "prefix": "--prefix",
+                "prefill-workers": "--prefill-workers"}
+
+
+def _bench_options_refused(args: argparse.Namespace, benchmark: str) -> bool:
+    """Whether options ``benchmark`` would ignore were given (and said so); otherwise fill in the defaults
+    of its own."""
+    foreign = misplaced(args, BENCH_OPTIONS, {benchmark})
+    if benchmark == "standard" and args.quant is not None and args.format != "gguf":
+        foreign.append("--quant without --format gguf")
+    if benchmark == "standard" and args.draft_model is not None and not {"model", "auto"} & set(args.speculative):
+        foreign.append("--draft-model without --speculative model or auto")
+    if foreign:
+        print(f"meshctl bench: {_BENCH_NAMES[benchmark]} does not take {', '.join(foreign)}; "
+              "see meshctl bench --help for which options each benchmark takes", file=sys.stderr)
+        return True
+    fill_defaults(args, BENCH_OPTIONS, {benchmark})
+    return False
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if sum((args.serve, args.prefix, args.prefill_workers)) > 1:
         print("meshctl bench: --serve, --prefix and --prefill-workers are separate benchmarks; run one at a time",
               file=sys.stderr)
+        return 2
+    benchmark = ("serve" if args.serve else "prefix" if args.prefix
+                 else "prefill-workers" if args.prefill_workers else "standard")
+    if _bench_options_refused(args, benchmark):
         return 2
     if args.serve:
         return _cmd_bench_serve(args)
@@ -173,7 +216,12 @@ def _cmd_bench_prefix(args: argparse.Namespace) -> int:
 
 def _cmd_bench_relay(args: argparse.Namespace) -> int:
     from meshd.bench.relay import main_bench_relay
+    from meshd.bench.relay_cli import options_refused
 
+    wrong = options_refused(args)
+    if wrong is not None:
+        print(f"meshctl bench-relay: {wrong}", file=sys.stderr)
+        return 2
     return main_bench_relay(args)
 
 
@@ -249,11 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="built-in model name or model directory (default: bench)")
     bench.add_argument("--peers", type=_int_list, metavar="LIST",
                        help="peer counts (default 1,2,3; with --serve 1,3)")
-    bench.add_argument("--concurrency", type=_int_list, default=(1, 4, 8), metavar="LIST",
+    bench.add_argument("--concurrency", type=_int_list, metavar="LIST",
                        help="concurrent sessions, run on the largest peer count (default 1,4,8)")
-    bench.add_argument("--prompt-tokens", type=int, default=64, metavar="N", help="prompt length (default 64)")
-    bench.add_argument("--new-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
-    bench.add_argument("--runs", type=int, default=3, metavar="N",
+    bench.add_argument("--prompt-tokens", type=int, metavar="N", help="prompt length (default 64)")
+    bench.add_argument("--new-tokens", type=int, metavar="N", help="tokens to generate (default 128)")
+    bench.add_argument("--runs", type=int, metavar="N",
                        help="single-session runs per setup; medians are reported (default 3)")
     bench.add_argument("--out", metavar="FILE",
                        help="JSON report (default: bench-out/bench-MODEL.json, with --serve "
@@ -262,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                        help="gguf: the model as one GGUF file; llama.cpp on the whole file in one process is the "
                        "baseline, and meshes of both engines (llama.cpp ranges, torch) are measured")
-    bench.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"], default="q8_0",
+    bench.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"],
                        help="with --format gguf and a built-in model: the file's quantization (default q8_0)")
     bench.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
@@ -285,31 +333,31 @@ def build_parser() -> argparse.ArgumentParser:
         "output lengths, sent as Poisson arrivals at several rates and from closed-loop clients, to one process "
         "serving the model in static batches (transformers' generate()), to one process batching step by step "
         "(the mesh's engine without the network) and to meshes of each --peers count. "
-        "--concurrency, --runs, --prompt-tokens and --new-tokens do not apply.")
+        "It refuses --concurrency, --runs, --prompt-tokens and --new-tokens.")
     serve.add_argument("--serve", action="store_true",
                        help="run the serving benchmark instead of the standard workload (docs/benchmarks.md)")
     serve.add_argument("--serve-rates", type=_float_list, metavar="LIST",
                        help="Poisson arrival rates in requests/s, e.g. 0.1,0.2 (default: 0.25, 0.5, 0.75, 1 and "
                        "1.5 times the closed-loop capacity of the one process batching step by step, measured first)")
-    serve.add_argument("--serve-clients", type=_int_list, default=(4, 8), metavar="LIST",
+    serve.add_argument("--serve-clients", type=_int_list, metavar="LIST",
                        help="closed-loop client counts: each client sends its next request when its last one ends; "
                        "each one-process server batches up to this many, and up to the largest under Poisson arrivals "
                        "(default 4,8)")
-    serve.add_argument("--serve-requests", type=int, default=8, metavar="N",
+    serve.add_argument("--serve-requests", type=int, metavar="N",
                        help="requests per load, i.e. per rate and per client count (default 8)")
-    serve.add_argument("--serve-prompt-tokens", type=_int_list, default=(32, 64, 128, 256, 512), metavar="LIST",
+    serve.add_argument("--serve-prompt-tokens", type=_int_list, metavar="LIST",
                        help="prompt lengths each request's is drawn from (default 32,64,128,256,512)")
-    serve.add_argument("--serve-new-tokens", type=_int_list, default=(16, 32, 64, 128), metavar="LIST",
+    serve.add_argument("--serve-new-tokens", type=_int_list, metavar="LIST",
                        help="output lengths each request's is drawn from, generated exactly (no EOS stop) "
                        "(default 16,32,64,128)")
-    serve.add_argument("--serve-ttft-bound-s", type=float, default=2.0, metavar="S",
+    serve.add_argument("--serve-ttft-bound-s", type=float, metavar="S",
                        help="a server sustains a Poisson rate when its p95 time to first token stays under this "
                        "many seconds there and at every lower rate (default 2.0)")
-    serve.add_argument("--serve-share", type=float, default=0.8, metavar="F",
+    serve.add_argument("--serve-share", type=float, metavar="F",
                        help="every server is also sent requests at this share of the Poisson rate the continuous "
                        "one process sustains, so that whether a mesh sustains that share is measured at it, not "
                        "read off the rates around it; 0 for none (default 0.8)")
-    serve.add_argument("--seed", type=int, default=0, metavar="N",
+    serve.add_argument("--seed", type=int, metavar="N",
                        help="seed of the request mix and the arrival gaps: same seed, same requests and arrival "
                        "times (default 0)")
     prefix = bench.add_argument_group(
@@ -319,11 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
         "token for token with each other and with one process.")
     prefix.add_argument("--prefix", action="store_true",
                         help="run the prefix-reuse benchmark instead of the standard workload (docs/benchmarks.md)")
-    prefix.add_argument("--prefix-tokens", type=int, default=1024, metavar="N",
+    prefix.add_argument("--prefix-tokens", type=int, metavar="N",
                         help="about how many tokens the first turn's prompt has (default 1024)")
-    prefix.add_argument("--prefix-conversations", type=int, default=3, metavar="N",
+    prefix.add_argument("--prefix-conversations", type=int, metavar="N",
                         help="conversations measured, each with another system prompt (default 3)")
-    prefix.add_argument("--prefix-new-tokens", type=int, default=32, metavar="N",
+    prefix.add_argument("--prefix-new-tokens", type=int, metavar="N",
                         help="tokens each turn generates, exactly (default 32)")
     workers = bench.add_argument_group(
         "prefill workers (--prefill-workers)", "A long prompt sent while its route streams another session's "
@@ -334,15 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--prefill-workers", action="store_true",
                          help="run the prefill-workers benchmark instead of the standard workload "
                          "(docs/benchmarks.md)")
-    workers.add_argument("--workers-prompt-tokens", type=int, default=1536, metavar="N",
+    workers.add_argument("--workers-prompt-tokens", type=int, metavar="N",
                          help="tokens of the long prompt (default 1536)")
-    workers.add_argument("--workers-busy-tokens", type=int, default=256, metavar="N",
+    workers.add_argument("--workers-busy-tokens", type=int, metavar="N",
                          help="tokens of the other session's reply, exactly (default 256)")
-    workers.add_argument("--workers-new-tokens", type=int, default=16, metavar="N",
+    workers.add_argument("--workers-new-tokens", type=int, metavar="N",
                          help="tokens the long prompt's reply has, exactly (default 16)")
-    workers.add_argument("--workers-repeats", type=int, default=2, metavar="N",
+    workers.add_argument("--workers-repeats", type=int, metavar="N",
                          help="rounds of each kind, each with another prompt (default 2)")
-    workers.add_argument("--no-pin", dest="workers_pin", action="store_false",
+    workers.add_argument("--no-pin", dest="workers_pin", action="store_const", const=False,
                          help="run the route's peers and the replicas on all CPUs, not on a half each")
     bench.set_defaults(func=_cmd_bench)
 

@@ -91,9 +91,11 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="join a private mesh with this invite token (from `meshctl invite`); redeemed once, the "
                      "membership is kept in the data directory")
     run.add_argument("--open-mesh", dest="open_mesh", action="store_true", default=None,
-                     help="take part in an open mesh: admit any peer that can reach this one (default: private)")
+                     help="take part in an open mesh: admit any peer that can reach this one (default: private; "
+                     "not with an invite)")
     run.add_argument("--relay", dest="relays", action="append", metavar="HOST:PORT",
-                     help="a meshd-relay to register with when not directly dialable (repeatable)")
+                     help="a meshd-relay to register with when not directly dialable (repeatable; reachability "
+                     "auto or relayed)")
     run.add_argument("--reachability", choices=["auto", "direct", "relayed"],
                      help="auto: let other peers test whether we can be dialled (default); direct: always "
                      "advertise --advertise; relayed: advertise only relay addresses")
@@ -158,7 +160,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      "model's tokenizer, else n-gram lookup over prompt and reply)")
     run.add_argument("--draft-model", metavar="DIR",
                      help="a small model directory with the served model's tokenizer, run on this peer to guess "
-                     "tokens ahead (meshctl model create draft makes one for the built-in trained model)")
+                     "tokens ahead with --speculative auto or model (meshctl model create draft makes one for the "
+                     "built-in trained model)")
     run.add_argument("--max-draft-tokens", type=int, metavar="N",
                      help="most tokens a step guesses ahead (default 8, at most 15; 0: none)")
     run.add_argument("--audit-rate", type=float, metavar="SHARE",
@@ -226,6 +229,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
     from meshd.daemon.config import load_config
 
+    if getattr(args, "token", None) and args.invite:
+        print("meshd: join takes its invite as TOKEN; give --invite only to meshd run", file=sys.stderr)
+        return 2
     overrides = {
         "data_dir": args.data_dir, "name": args.name, "listen": args.listen, "advertise": args.advertise,
         "api": args.api, "control": args.control, "metrics": args.metrics, "bootstrap": args.bootstrap,

@@ -36,7 +36,8 @@ def add_service_parser(sub: argparse._SubParsersAction) -> None:
                            help="settings file the service reads (default: the platform's usual place; "
                            "a commented one is written there if absent)")
             p.add_argument("--data-dir", type=Path, metavar="DIR",
-                           help="identity and state of the peer (default: the platform's usual place)")
+                           help="identity and state of the peer (default: the platform's usual place; not with "
+                           "--relay, which keeps none)")
         if name in ("install", "uninstall"):
             p.add_argument("--dry-run", action="store_true",
                            help="print every file it would write and every command it would run, do nothing")
@@ -49,6 +50,9 @@ def add_service_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_service(args: argparse.Namespace) -> int:
     from meshd.service.manage import apply
 
+    if args.relay and getattr(args, "data_dir", None) is not None:
+        print("meshctl: meshd-relay keeps no state; --data-dir is for the meshd peer's service", file=sys.stderr)
+        return 2
     try:
         inst = Installation.here("meshd-relay" if args.relay else "meshd", args.scope, args.platform,
                                  config=getattr(args, "config", None), data_dir=getattr(args, "data_dir", None))

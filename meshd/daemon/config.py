@@ -51,8 +51,8 @@ class PeerConfig:
     invite: str = setting("", "an invite token (from `meshctl invite` on a member) to join a private mesh with; "
                           "redeemed once, the membership is kept in the data directory")
     open_mesh: bool = setting(False, "take part in an open mesh: admit any peer that can reach this one, and show "
-                              "no membership (default: a private mesh; a peer with neither bootstrap nor invite "
-                              "founds one)")
+                              "no membership (not with an invite; default: a private mesh; a peer with neither "
+                              "bootstrap nor invite founds one)")
     model: Path | None = setting(None, "the model this peer can serve: a Hugging Face directory or a GGUF file")
     model_id: str = setting("", "the model's name in the API (default: the directory's name, or the GGUF file's); "
                             "without model: serve this model by fetching the layers placed here from peers that "
@@ -111,7 +111,7 @@ class PeerConfig:
                                "the same): auto (draft_model when it shares the model's tokenizer, else n-gram "
                                "lookup over prompt and reply), ngram, model or off")
     draft_model: Path | None = setting(None, "a small model directory with the served model's tokenizer, run on this "
-                                       "peer to guess tokens ahead (see speculative)")
+                                       "peer to guess tokens ahead with speculative auto or model")
     max_draft_tokens: int = setting(8, "most tokens one step guesses ahead (how many is measured per session, up to "
                                     "this; at most 15)")
     step_timeout_s: float = setting(30.0, "a hop that sends nothing for this many seconds has failed")
@@ -145,7 +145,8 @@ class PeerConfig:
     capture_max_age_s: float = setting(7 * 86400.0, "seconds a capture record is kept at most (e.g. \"7d\" in the "
                                        "environment or with --capture-max-age)")
     drain_timeout_s: float = setting(30.0, "on SIGTERM: seconds running sessions may take to finish")
-    relays: list[str] = setting_list("meshd-relays (HOST:PORT each) to register with when not directly dialable")
+    relays: list[str] = setting_list("meshd-relays (HOST:PORT each) to register with when not directly dialable "
+                                     "(reachability auto or relayed)")
     reachability: str = setting("auto", "auto (let other peers test whether we can be dialled), direct (always "
                                 "advertise the direct address) or relayed (only relay addresses)")
     reachability_interval_s: float = setting(30.0, "seconds between auto's re-checks that others can dial us")
@@ -161,6 +162,12 @@ class PeerConfig:
             raise ValueError(f"max_draft_tokens is between 0 and {MAX_DRAFT_TOKENS}, not {self.max_draft_tokens}")
         if self.speculative == "model" and self.draft_model is None:
             raise ValueError("speculative = model needs draft_model")
+        if self.draft_model is not None and self.speculative in ("off", "ngram"):
+            raise ValueError(f"draft_model is for speculative = auto or model; with {self.speculative} it goes unused")
+        if self.open_mesh and self.invite:
+            raise ValueError("an invite joins a private mesh and open_mesh takes part in an open one: give one of them")
+        if self.relays and self.reachability == "direct":
+            raise ValueError("relays are registered with under reachability auto or relayed; direct never uses them")
         if not 0 <= self.audit_rate <= 1:
             raise ValueError(f"audit_rate is a share between 0 and 1, not {self.audit_rate}")
         if self.capture not in CAPTURE_MODES:

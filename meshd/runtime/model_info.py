@@ -152,6 +152,9 @@ def choose_numerics(model_dir: Path, dtype: str = "auto", device: str = "auto", 
         if dtype not in ("auto", "float32"):
             raise ModelFormatError(f"the llama.cpp backend computes in the GGUF file's own types; --dtype {dtype} "
                                    "applies to the torch backend")
+        if pinned:
+            raise ModelFormatError(f"the llama.cpp backend computes as ggml does for the file; --numerics {pinned} "
+                                   "names a class of the torch backend")
         return Choice(Numerics(torch.float32, resolve_device(device), backend="llama.cpp", weights=weights), {})
     held = resolve_dtype(dtype, model_dir)
     if int8:

@@ -258,7 +258,7 @@ class Installation:
                 if self.data_dir is not None:
                     plan.actions.append(Step(("install", "-d", "-m", "0700", "-o", system_user, "-g", system_user,
                                             str(self.state_dir))))
-            elif self.scope == "user":
+            elif self.scope == "user" and self.program == "meshd":  # the relay keeps no state
                 plan.actions.append(Step(("install", "-d", "-m", "0700", str(self.state_dir))))
             plan.actions += [Step((*self._systemctl, "daemon-reload")),
                            Step((*self._systemctl, "enable", "--now", self.unit_name))]
@@ -271,7 +271,8 @@ class Installation:
                                         "-shell", "/usr/bin/false", "-home", str(self.state_dir), "-roleAccount"),
                                        unless=("id", "-u", system_user)))
             owner = (("-o", system_user) if needs_user else ())
-            plan.actions.append(Step(("install", "-d", "-m", "0700", *owner, str(self.state_dir))))
+            if self.program == "meshd":
+                plan.actions.append(Step(("install", "-d", "-m", "0700", *owner, str(self.state_dir))))
             plan.actions.append(Step(("install", "-d", "-m", "0755", *owner, str(self.log_file.parent))))
             plan.actions.append(Step(("launchctl", "bootout", f"{self._launchd_domain}/{self.label}"), may_fail=True))
             plan.actions.append(Step(("launchctl", "bootstrap", self._launchd_domain, str(self.service_file))))
