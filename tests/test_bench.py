@@ -23,7 +23,7 @@ from meshd.models.gguf_export import write_gguf
 from tests.test_gguf import native
 
 TOP_LEVEL = (
-    "model", "prompt_tokens", "new_tokens", "torch_threads", "cpu_count", "meshd_version", "date",
+    "model", "prompt_tokens", "new_tokens", "torch_threads", "cpu_count", "cpu_model", "meshd_version", "date",
     "baseline_tok_s", "mesh_tok_s", "ratio", "ttft_ms", "seam_ms_p50", "seam_ms_p95", "seam_ms",
     "bytes_per_token_per_seam", "aggregate_tok_s", "batching_gain", "peer_rss_mb", "model_size_mb",
     "baseline_rss_mb", "tokens_identical", "profile",
@@ -154,6 +154,21 @@ def test_idle_residency_sums_each_state_over_the_cpus_and_skips_what_it_cannot_r
     assert idle_since(before, tmp_path) == {"POLL": 0.5, "haltpoll idle": 3.0}
     # a state that appeared only later counts from zero
     assert idle_since({"POLL": 2.0}, tmp_path) == {"POLL": 0.25, "haltpoll idle": 9.0}
+
+
+def test_reports_name_the_cpu_and_the_kernel_features_it_has(tmp_path):
+    from meshd.bench.report import _cpus
+    from meshd.runtime.cpu_info import KERNEL_FEATURES, _cpuinfo, kernel_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f amx_int8\n\n"
+                    "processor\t: 1\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 avx512f amx_int8\n")
+    assert _cpuinfo(str(info)) == ("Some CPU 9000", frozenset({"fpu", "sse2", "avx2", "avx512f", "amx_int8"}))
+    assert _cpuinfo(str(tmp_path / "missing"))[1] == frozenset()  # a system that does not say
+    assert set(kernel_features()) <= set(KERNEL_FEATURES)
+    assert _cpus({"cpu_count": 2, "cpu_model": "Some CPU 9000", "cpu_features": ["avx2", "avx512f"]}) == (
+        "2 CPUs (Some CPU 9000, avx2 avx512f)")
+    assert _cpus({"cpu_count": 2}) == "2 CPUs"  # a report from before the fields
 
 
 def test_the_summary_says_how_idle_cpus_are_handled_next_to_the_wake_ups():

@@ -438,6 +438,7 @@ def test_bench_serve_on_tiny_model_reports_every_load_on_every_server(tmp_path, 
     assert report["mode"] == "serve" and report["model"] == "tiny" and report["dtype"] == "float32"
     for key in ("torch_threads", "cpu_count", "meshd_version", "torch_version", "date", "load_avg_1m"):
         assert report[key], key
+    assert "cpu_model" in report and "cpu_features" in report  # empty where the system does not say
     assert report["seed"] == 5 and report["requests_per_load"] == 3 and report["ttft_bound_s"] == 2.0
     assert len(report["workload"]) == 3
     assert all(w["prompt_tokens"] in (8, 24) and w["new_tokens"] in (4, 10) for w in report["workload"])

@@ -229,11 +229,19 @@ def _idle_residency(wake: dict) -> str:
     return f"; while it ran, idle CPUs polled {by_state.get('POLL', 0.0) / idle:.0%} of their {idle:.0f} s idle"
 
 
+def _cpus(report: dict) -> str:
+    """How many CPUs, and which, where the report says (older ones do not)."""
+    which = [str(report["cpu_model"])] if report.get("cpu_model") else []
+    if report.get("cpu_features"):
+        which.append(" ".join(report["cpu_features"]))
+    return f"{report['cpu_count']} CPUs" + (f" ({', '.join(which)})" if which else "")
+
+
 def format_summary(report: dict) -> str:
     lines = [
         f"model {report['model']} ({report['model_size_mb']:.0f} MB {report.get('dtype', 'float32')}), "
         f"prompt {report['prompt_tokens']} + "
-        f"{report['new_tokens']} new tokens, {report['torch_threads']} torch threads, {report['cpu_count']} CPUs",
+        f"{report['new_tokens']} new tokens, {report['torch_threads']} torch threads, {_cpus(report)}",
         "",
         f"{'':10}{'tok/s':>9}{'ratio':>8}{'TTFT ms':>10}{'seam p50/p95 ms':>18}{'B/tok/seam':>12}"
         f"{'step ms = compute + queue + seams + other':>46}  {'RSS MB':<20}identical",
@@ -415,7 +423,7 @@ def format_serve_summary(report: dict) -> str:
         f"serving {report['model']} ({report['dtype']}), {report['requests_per_load']} requests per load: prompts "
         f"{min(report['prompt_tokens_choices'])}..{max(report['prompt_tokens_choices'])} tokens, outputs "
         f"{min(report['new_tokens_choices'])}..{max(report['new_tokens_choices'])}, seed {report['seed']}; "
-        f"{report['torch_threads']} torch threads, {report['cpu_count']} CPUs, load {report['load_avg_1m'][0]} -> "
+        f"{report['torch_threads']} torch threads, {_cpus(report)}, load {report['load_avg_1m'][0]} -> "
         f"{report['load_avg_1m'][1]}",
         "",
         f"{'load':16}{'server':16}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p95/p99 ms':>22}{'ITL p50/p95/p99 ms':>21}"

@@ -42,6 +42,7 @@ from meshd.links.calibrate import calibrate
 from meshd.links.profiles import LinkShape
 from meshd.models.builtin import BUILTIN_MODELS, default_model_dir, ensure_builtin
 from meshd.progress import Progress, progress
+from meshd.runtime.cpu_info import cpu_model, kernel_features
 from meshd.runtime.machine_share import BUSY_FIELDS
 from meshd.runtime.numerics import Numerics
 
@@ -292,6 +293,7 @@ def machine_meta(threads: int, load_start_1m: float) -> dict[str, Any]:
 
     return {
         "torch_threads": threads, "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+        "cpu_model": cpu_model(), "cpu_features": kernel_features(),
         "meshd_version": __version__, "torch_version": torch.__version__,
         "transformers_version": transformers.__version__, "python": platform.python_version(),
         "platform": platform.platform(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -551,7 +553,8 @@ def run_gguf_bench(cfg: BenchConfig, say: Say) -> dict:
         "baseline_engine": "llama.cpp (llama-cpp-python, whole model in the bench process)",
         "prompt_tokens": len(prompt.ids), "prompt_tokens_requested": cfg.prompt_tokens,
         "new_tokens": cfg.new_tokens, "runs": cfg.runs, "torch_threads": threads, "cpu_count": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False), "meshd_version": __version__,
+        "physical_cores": psutil.cpu_count(logical=False), "cpu_model": cpu_model(),
+        "cpu_features": kernel_features(), "meshd_version": __version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_avg_1m": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshd.errors import BundleError, KVBudgetExceeded, ModelFormatError
+from meshd.runtime.cpu_info import cpu_flags
 from meshd.runtime.llamacpp.library import ggml, library
 
 MAX_SEQUENCES = 64
@@ -43,11 +44,7 @@ def cpu_has_amx() -> bool:
     """Whether the CPU has AMX tiles. llama.cpp then holds quantized weights in its AMX buffer type,
     whose kernels crashed (SIGSEGV in the first decode of a q8_0 range) on such a machine, a virtual
     one that grants the tile state; there, weights stay in plain CPU buffers."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return any(line.startswith("flags") and " amx_int8" in line for line in info)
-    except OSError:
-        return False
+    return "amx_int8" in cpu_flags()
 
 
 def model_params(lib: Any, gpu_layers: int = 0) -> Any:
