@@ -20,8 +20,7 @@ def options_refused(args: argparse.Namespace) -> str | None:
     """What is wrong with options given without the measurement they are for (None: nothing, and the
     defaults of the measurements turned on are filled in)."""
     active = {flag for flag, on in (("--compression", args.compression), ("--decode", args.decode)) if on}
-    wrong = [f"{flag} is for {mode}" for mode in MEASUREMENT_OPTIONS if mode not in active
-             for flag in misplaced(args, {mode: MEASUREMENT_OPTIONS[mode]}, ())]
+    wrong = [f"{flag} is for {mode}" for flag, mode in misplaced(args, MEASUREMENT_OPTIONS, active)]
     if wrong:
         return f"{'; '.join(wrong)}: give that flag too, or leave the option out"
     fill_defaults(args, MEASUREMENT_OPTIONS, active)

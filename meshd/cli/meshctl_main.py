@@ -118,7 +118,7 @@ _BENCH_NAMES = {"standard": "the standard workload", "serve": "--serve", "prefix
 def _bench_options_refused(args: argparse.Namespace, benchmark: str) -> bool:
     """Whether options ``benchmark`` would ignore were given (and said so); otherwise fill in the defaults
     of its own."""
-    foreign = misplaced(args, BENCH_OPTIONS, {benchmark})
+    foreign = [flag for flag, _mode in misplaced(args, BENCH_OPTIONS, {benchmark})]
     if benchmark == "standard" and args.quant is not None and args.format != "gguf":
         foreign.append("--quant without --format gguf")
     if benchmark == "standard" and args.draft_model is not None and not {"model", "auto"} & set(args.speculative):

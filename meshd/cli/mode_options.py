@@ -14,9 +14,9 @@ from collections.abc import Collection, Mapping
 ModeTable = Mapping[str, Mapping[str, tuple[str, object]]]
 
 
-def misplaced(args: argparse.Namespace, table: ModeTable, active: Collection[str]) -> list[str]:
-    """The flags given that belong to none of the ``active`` modes."""
-    return [flag for mode, options in table.items() if mode not in active
+def misplaced(args: argparse.Namespace, table: ModeTable, active: Collection[str]) -> list[tuple[str, str]]:
+    """The flags given that belong to none of the ``active`` modes, each with the mode it is for."""
+    return [(flag, mode) for mode, options in table.items() if mode not in active
             for flag, (dest, _default) in options.items() if getattr(args, dest) is not None]
 
 

@@ -7,11 +7,9 @@ from __future__ import annotations
 import platform
 from functools import cache
 
+CPUINFO = "/proc/cpuinfo"
 # the flags that decide which CPU kernels pay, as a benchmark report lists them
 KERNEL_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-
-
-CPUINFO = "/proc/cpuinfo"
 
 
 @cache
