@@ -436,3 +436,9 @@ def test_meshctl_replay_refuses_bad_arguments_and_says_when_the_daemon_is_away(t
     requests.write_text("{not json\n")
     assert _meshctl("replay", str(capture), "--requests", str(requests)) == 2
     assert "requests.jsonl:1" in capsys.readouterr().err
+    # a full capture keeps its requests: ones given again would be ignored, so they are refused, the
+    # daemon never asked
+    requests.write_text(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert _meshctl("replay", str(capture), "--requests", str(requests), "--control", "127.0.0.1:9") == 2
+    err = capsys.readouterr().err
+    assert "none of the 1 records selected is one" in err and "cannot reach" not in err

@@ -72,7 +72,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exclude", type=_peer_list, action="append", metavar="PEER[,PEER...]",
                    help="keep these peers off the route (not with --route)")
     p.add_argument("--requests", metavar="FILE",
-                   help="for metadata captures: the requests again, as JSONL of OpenAI request bodies")
+                   help="for metadata captures: the requests again, as JSONL of OpenAI request bodies "
+                        "(refused when no record selected is a metadata one)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the newest N records")
     p.add_argument("--model", help="replay only records of this model")
     p.add_argument("--json", action="store_true",
@@ -132,6 +133,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             records[i] = CapturedRequest.from_json(doc)
         except CaptureFormatError as exc:
             results[i] = {"id": doc.get("id"), "status": FAILED, "error": str(exc)}
+    if bodies and not any(r.mode == "metadata" for r in records.values()):
+        return _usage(f"--requests gives metadata records their requests again, and none of the {len(docs)} "
+                      "records selected is one (a full capture keeps its own requests)")
     try:
         requests = _matched_requests(args, docs, records, bodies)
         for i, doc in enumerate(docs):
