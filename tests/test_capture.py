@@ -12,6 +12,7 @@ import trio
 
 from meshd.api.backend import Finished, GenerationRequest, TokenEvent
 from meshd.api.validation import parse_chat, parse_completion
+from meshd.capture import recorder as recorder_module
 from meshd.capture.recorder import CaptureRecorder, observe
 from meshd.capture.records import (
     REDACTED,
@@ -309,6 +310,39 @@ async def test_the_recorder_writes_off_the_request_path(tmp_path):
     records = read_capture(tmp_path / "capture").records
     assert [r["reply"]["text"] for r in records] == ["hi"]
     assert recorder.status()["records"] == 1 and recorder.status()["key_id"] == records[0]["key_id"]
+
+
+async def test_with_capture_off_records_from_before_stay_readable_and_still_age_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(recorder_module, "PRUNE_EVERY_S", 0.01)
+    clock = Clock()
+    retention = Retention(1000, 10**9, 160.0)
+    store = CaptureStore(tmp_path / "capture", retention, clock=clock)
+    for i in range(4):
+        store.append(_record(i, clock))
+        clock.now += 60.0  # r0..r3 written at 0, 60, 120 and 180 s
+    store.close()
+    clock.now = 1_000_000.0 + 200.0  # r0 is 200 s old: past the bound, the others within it
+    recorder = CaptureRecorder(tmp_path, "off", retention, "e", clock=clock)
+    with trio.fail_after(10):  # the recorder ends of itself once no record is left
+        async with trio.open_nursery() as nursery:
+            await nursery.start(recorder.run)
+            assert _ids(tmp_path / "capture") == ["r1", "r2", "r3"]  # pruned as the recorder started
+            assert recorder.status()["records"] == 3 and not recorder.enabled
+            recorder.submit(observe(_request()))  # capture is off: nothing new is written
+            clock.now += 90.0  # r1 and r2 now past the bound
+            while recorder.status()["records"] != 1:  # the recorder prunes once a period
+                await trio.sleep(0.01)
+            assert _ids(tmp_path / "capture") == ["r3"]
+            clock.now += 1000.0  # and r3
+    assert not list((tmp_path / "capture").glob("capture-*.jsonl"))
+    assert recorder.status()["records"] == 0
+
+
+async def test_with_capture_off_and_nothing_from_before_the_recorder_makes_nothing(tmp_path):
+    recorder = CaptureRecorder(tmp_path, "off", Retention(100, 10**9, 10**6), "e")
+    await recorder.run()
+    assert not (tmp_path / "capture").exists() and not (tmp_path / "capture.key").exists()
+    assert recorder.status()["mode"] == "off" and "records" not in recorder.status()
 
 
 async def test_a_recorder_whose_key_is_not_private_turns_capture_off(tmp_path):

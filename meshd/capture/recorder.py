@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import trio
 
 from meshd.api.backend import GenerationRequest
 from meshd.capture.records import CaptureKey, CaptureKeyError, RequestObservation, build_record
-from meshd.capture.store import CaptureStore, Retention
+from meshd.capture.store import CaptureStore, Retention, segment_files
 
 log = logging.getLogger("meshd.capture")
 
@@ -30,8 +31,11 @@ CAPTURE_DIR = "capture"
 class CaptureRecorder:
     """Records of the requests this peer answers as the entry, in ``mode`` (off, metadata, full)."""
 
-    def __init__(self, data_dir: Path, mode: str, retention: Retention, entry_peer: str) -> None:
+    def __init__(self, data_dir: Path, mode: str, retention: Retention, entry_peer: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the wall clock, in seconds, that records are stamped and aged by."""
         self.data_dir = Path(data_dir)
+        self.clock = clock
         self.directory = self.data_dir / CAPTURE_DIR
         self.mode = mode
         self.retention = retention
@@ -65,7 +69,7 @@ class CaptureRecorder:
         """Open the store and key (in a thread: the store reads its segments back), then write what
         comes; a store or key that cannot be opened turns capture off with the reason in the status."""
         if self.mode == "off":
-            task_status.started()
+            await self._age_earlier_records(task_status)
             return
         try:
             self.key, self.store = await trio.to_thread.run_sync(self._open)
@@ -92,9 +96,36 @@ class CaptureRecorder:
         finally:
             self._drain()
 
+    async def _age_earlier_records(self, task_status: trio.TaskStatus[None]) -> None:
+        """With capture off, records written while it was on stay readable (``meshctl replay``) and
+        are still held to the retention bounds, pruned as often as when capture is on, until none is
+        left: ``capture_max_age_s`` is how long a record is kept at most, whatever the mode now."""
+        try:
+            earlier = self.directory.is_dir() and bool(segment_files(self.directory))
+            store = await trio.to_thread.run_sync(self._open_store) if earlier else None
+        except (OSError, ValueError) as exc:
+            log.error("capture is off, and the records kept from before cannot be pruned: %s", exc)
+            store = None
+        self.store = store
+        task_status.started()
+        if store is None:
+            return
+        if store.segments:
+            log.info("capture is off; the %d records kept from before in %s age out within %.0fs",
+                     store.records, self.directory, self.retention.max_age_s)
+        try:
+            while store.segments:
+                await trio.sleep(PRUNE_EVERY_S)
+                await trio.to_thread.run_sync(self._prune)
+        finally:
+            store.close()
+
     def _open(self) -> tuple[CaptureKey, CaptureStore]:
         key = CaptureKey.load_or_create(self.data_dir)
-        return key, CaptureStore(self.directory, self.retention)
+        return key, self._open_store()
+
+    def _open_store(self) -> CaptureStore:
+        return CaptureStore(self.directory, self.retention, clock=self.clock)
 
     def _write(self, batch: list[RequestObservation]) -> None:
         store, key = self.store, self.key
@@ -108,8 +139,12 @@ class CaptureRecorder:
                 self.write_errors += 1
                 if self.write_errors == 1 or math.log2(self.write_errors).is_integer():
                     log.error("capture: a record could not be written (%d so far): %s", self.write_errors, exc)
+        self._prune()
+
+    def _prune(self) -> None:
+        assert self.store is not None
         try:
-            store.prune()
+            self.store.prune()
         except OSError as exc:
             log.error("capture: retention could not drop old records: %s", exc)
 

@@ -138,7 +138,9 @@ class PeerConfig:
                            "metadata (model, compat key, numerics class, route, sampling and the seed used, token "
                            "counts, timings, and keyed hashes of prompt and reply: no text, no token ids) or full "
                            "(also the request body and the reply's tokens and text, credential fields redacted; "
-                           "keeps people's prompts on disk); in data_dir/capture, files mode 0600 (docs/operations.md)")
+                           "keeps people's prompts on disk); in data_dir/capture, files mode 0600 "
+                           "(docs/operations.md). The capture_max_* bounds apply with capture off too, to records "
+                           "kept from before")
     capture_max_records: int = setting(10_000, "most capture records kept; the oldest go first")
     capture_max_bytes: int = setting(64 * 1024**2, "most bytes of capture records kept (e.g. \"64MiB\"); the oldest "
                                      "go first")
