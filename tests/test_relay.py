@@ -139,6 +139,21 @@ def test_config_from_toml_and_flags(tmp_path):
         load_config(None, {"max_peer": 3})
 
 
+def test_a_burst_or_delay_without_a_bandwidth_cap_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "relay.toml"
+    path.write_text('bandwidth_bytes_per_s = 0\nbandwidth_max_delay_s = 5\n')
+    with pytest.raises(ValueError, match=r"^bandwidth_max_delay_s shapes a bandwidth cap"):
+        load_config(path)
+    monkeypatch.setenv("MESHD_RELAY_BANDWIDTH_BURST_BYTES", "1MiB")
+    with pytest.raises(ValueError, match=r"^bandwidth_burst_bytes and bandwidth_max_delay_s shape"):
+        load_config(path)
+    # with a cap they shape it; without a cap and without them, nothing to refuse
+    capped = load_config(path, {"bandwidth_bytes_per_s": "2MiB"})
+    assert (capped.bandwidth_burst_bytes, capped.bandwidth_max_delay_s) == (1024**2, 5.0)
+    monkeypatch.delenv("MESHD_RELAY_BANDWIDTH_BURST_BYTES")
+    assert load_config(None, {"bandwidth_bytes_per_s": "0"}).bandwidth_bytes_per_s == 0
+
+
 # -- registration ----------------------------------------------------------------------------------
 
 

@@ -220,7 +220,8 @@ def compression_tradeoff(workdir: Path, hidden_size: int, chunk_tokens: int, cap
     for cap in ["0", *caps]:
         label = "relayed" if cap == "0" else f"relayed, capped at {cap}/s"
         with LocalMesh(workdir / f"cap-{cap}", log_level="warning") as mesh:
-            relay = mesh.start_relay(extra=["--bandwidth", cap, "--bandwidth-burst", "256KiB"])
+            burst = ["--bandwidth-burst", "256KiB"] if cap != "0" else []  # a burst shapes a cap only
+            relay = mesh.start_relay(extra=["--bandwidth", cap, *burst])
             with _EchoPeer(workdir / f"cap-{cap}", relay.address) as info:
                 links = {label: relay_address(relay.address)}
                 if cap == "0":

@@ -22,8 +22,10 @@ class RelayConfig:
     max_circuits_per_peer: int = setting(32, "open circuits to one registered peer")
     bandwidth_bytes_per_s: int = setting(8 * 1024**2, "bytes per second per registered peer, both directions "
                                          "together (e.g. \"8MiB\"); 0: no cap")
-    bandwidth_burst_bytes: int = setting(4 * 1024**2, "bytes a peer may send at once above its rate")
-    bandwidth_max_delay_s: float = setting(2.0, "seconds traffic is slowed down at most before the circuit is cut")
+    bandwidth_burst_bytes: int = setting(4 * 1024**2, "bytes a peer may send at once above its rate (with a cap "
+                                         "only)")
+    bandwidth_max_delay_s: float = setting(2.0, "seconds traffic is slowed down at most before the circuit is cut "
+                                           "(with a cap only)")
     idle_timeout_s: float = setting(300.0, "a circuit with no bytes either way for this many seconds is closed")
     handshake_timeout_s: float = setting(10.0, "seconds a registration has to complete")
     accept_timeout_s: float = setting(10.0, "seconds a registered peer has to pick up a circuit")
@@ -64,5 +66,17 @@ _CONVERTERS: dict[str, Any] = {
 }
 
 
+CAP_SHAPE = ("bandwidth_burst_bytes", "bandwidth_max_delay_s")  # settings of a bandwidth cap, used only with one
+
+
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RelayConfig:
-    return RelayConfig(**layered_settings(RelayConfig, path, "MESHD_RELAY_", overrides, _CONVERTERS))
+    """The relay's configuration from every layer. A cap's burst or delay given while
+    ``bandwidth_bytes_per_s`` is 0 (no cap) is refused: it would shape nothing."""
+    given = layered_settings(RelayConfig, path, "MESHD_RELAY_", overrides, _CONVERTERS)
+    config = RelayConfig(**given)
+    shaping = [name for name in CAP_SHAPE if name in given]
+    if shaping and not config.bandwidth_bytes_per_s:
+        verb, them = ("shapes", "it") if len(shaping) == 1 else ("shape", "them")
+        raise ValueError(f"{' and '.join(shaping)} {verb} a bandwidth cap, and bandwidth_bytes_per_s is 0 (no cap): "
+                         f"set a cap, or leave {them} out")
+    return config
