@@ -134,9 +134,9 @@ def test_int8_is_a_dtype_setting_and_llama_cpp_refuses_it(tmp_path):
     from meshd.models.gguf_export import create_builtin_gguf
     from meshd.models.gguf_model import gguf_model_dir
 
-    assert load_config(overrides={"dtype": INT8}).dtype == INT8
+    assert load_config(overrides={"model": "bench", "dtype": INT8}).dtype == INT8
     with pytest.raises(ValueError, match="is not one of"):
-        load_config(overrides={"dtype": "int4"})
+        load_config(overrides={"model": "bench", "dtype": "int4"})
     assert build_parser().parse_args(["run", "--dtype", INT8]).dtype == INT8
     gguf = gguf_model_dir(create_builtin_gguf("tiny", tmp_path / "tiny-q8_0.gguf", "q8_0"), tmp_path / "cache")
     with pytest.raises(ModelFormatError, match=r"GGUF file's own types; --dtype int8 applies to the torch backend"):

@@ -76,6 +76,9 @@ def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: 
     ("draft_model = \"draft\"\nspeculative = \"ngram\"", "draft_model is for speculative = auto or model"),
     ("open_mesh = true\ninvite = \"x\"", "an invite joins a private mesh and open_mesh takes part in an open one"),
     ("relays = [\"127.0.0.1:7900\"]\nreachability = \"direct\"", "direct never uses them"),
+    ("dtype = \"int8\"\nlayers = \"0:4\"", "layers, dtype: for the model this peer serves, and it is given none"),
+    ("model_id = \"tiny\"\nbackend = \"torch\"\nnumerics = \"cpu/float32/prefill-native/decode-native-rows1\"",
+     "backend, numerics: for a model given with model; a peer fetching model_id computes it in the numerics class"),
     ("listen = ", "Invalid value"),
 ])
 def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path, toml: str,
@@ -86,6 +89,11 @@ def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_p
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshd: bad configuration: ") and message in lines[0], lines
     assert not (tmp_path / "state").exists()
+
+
+def test_a_peer_fetching_its_model_may_pin_its_range_and_one_without_a_model_takes_the_defaults() -> None:
+    assert PeerConfig(model_id="tiny", layers=(0, 2)).layers == (0, 2)
+    assert PeerConfig(kv_tier=1024, dtype="auto", backend="auto").model is None  # "auto" given is the default
 
 
 def test_a_bad_settings_file_is_refused_before_the_model_code_loads(tmp_path: Path) -> None:

@@ -105,7 +105,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="the model's name in the API (default: the directory's name, or the GGUF file's without "
                      ".gguf). Without --model: serve NAME without copying it here, by fetching its config, tokenizer "
                      "and the tensors of the layers placed on this peer from the peers that serve it (each chunk "
-                     "checked against the compat key; kept under the data directory, resumed after a restart)")
+                     "checked against the compat key; kept under the data directory, resumed after a restart), "
+                     "computed as they compute it: --backend, --dtype and --numerics are for --model only")
     run.add_argument("--backend", choices=["auto", "torch", "llama.cpp"],
                      help="what computes the layers: llama.cpp (GGUF files, needs `make native`) or torch "
                      "(every model; GGUF weights dequantized); default auto: llama.cpp for a GGUF file when "

@@ -60,10 +60,11 @@ class PeerConfig:
     backend: str = setting("auto", "what computes the layers: auto (llama.cpp for a GGUF file when installed, else "
                            "torch), torch or llama.cpp")
     layers: tuple[int, int] | None = setting(None, "pin this half-open layer range (\"START:END\") instead of "
-                                             "letting the tracker place one")
+                                             "letting the tracker place one (with model, or model_id)")
     dtype: str = setting("auto", "dtype of weights, activations and the seam: auto (the checkpoint's), float32, "
                          "bfloat16, float16, or int8 (on the CPU, torch backend: the linears' weights int8 with a "
-                         "scale per output channel, activations, KV and the seam float32)")
+                         "scale per output channel, activations, KV and the seam float32). With model only, as are "
+                         "backend and numerics: a peer fetching model_id computes as the peers it fetches from")
     numerics: str = setting("", "pin the numerics class (as meshctl status shows it, e.g. "
                             "cpu/float32/prefill-native/decode-native-rows1) instead of measuring the fastest here: "
                             "peers in different classes never share a route, and measurements vary from peer to peer "
@@ -176,6 +177,8 @@ class PeerConfig:
             raise ValueError(f"capture is one of {', '.join(CAPTURE_MODES)}, not {self.capture!r}")
         if self.prefill_only and (self.layers is None or (self.model is None and not self.model_id)):
             raise ValueError("prefill_only needs a model and a pinned range (--layers): a prefill worker is not placed")
+        if self.model is None:
+            self._refuse_model_settings()
         for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget",
                      "capture_max_records", "capture_max_bytes"):
             if getattr(self, name) < 1:
@@ -187,6 +190,20 @@ class PeerConfig:
         for f in fields(self):
             if f.name.endswith("_s") and getattr(self, f.name) <= 0:
                 raise ValueError(f"{f.name} must be a positive number of seconds, not {getattr(self, f.name)}")
+
+    def _refuse_model_settings(self) -> None:
+        """Without ``model``, the settings of how a model given here is computed would go unused: a peer
+        with no model serves none, and one fetching ``model_id`` computes as the peers it fetches from."""
+        given = [name for name, unset in (("layers", self.layers is None), ("dtype", self.dtype == "auto"),
+                                          ("backend", self.backend == "auto"), ("numerics", not self.numerics))
+                 if not unset]
+        if not self.model_id and given:
+            raise ValueError(f"{', '.join(given)}: for the model this peer serves, and it is given none (model, or "
+                             "model_id to fetch one from the peers that serve it)")
+        fetched = [name for name in given if name != "layers"]
+        if fetched:
+            raise ValueError(f"{', '.join(fetched)}: for a model given with model; a peer fetching model_id computes "
+                             "it in the numerics class of the peers it fetches from (docs/models.md)")
 
     @property
     def advertised(self) -> str:
