@@ -315,6 +315,19 @@ async def test_invalid_json_is_400(http: httpx2.AsyncClient) -> None:
         ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        # the older name is checked too when both are given, and the two must agree
+        (chat_body(max_completion_tokens=2, max_tokens="garbage"), "max_tokens"),
+        (chat_body(max_completion_tokens=2, max_tokens=-7), "max_tokens"),
+        (chat_body(max_completion_tokens=2, max_tokens=3), "max_tokens"),
+        # stream_options belongs to a stream
+        (chat_body(stream_options={"include_usage": True}), "stream_options"),
+        (chat_body(stream=False, stream_options="garbage"), "stream_options"),
+        # parameters accepted only in the value that changes nothing must still be of their type
+        (chat_body(frequency_penalty=False), "frequency_penalty"),
+        (chat_body(presence_penalty="0"), "presence_penalty"),
+        (chat_body(logit_bias=0), "logit_bias"),
+        (chat_body(store=0), "store"),
+        (chat_body(metadata="x"), "metadata"),
     ],
 )
 async def test_bad_fields_are_400(
@@ -325,6 +338,58 @@ async def test_bad_fields_are_400(
     assert response.json()["error"]["param"] == param
     assert server[0].requests == []  # refused before reaching the backend
     await assert_still_serving(http)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", "cannot be read"),  # past Python's digit limit
+        (b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too deeply"),
+    ],
+)
+async def test_json_python_cannot_hold_is_400(http: httpx2.AsyncClient, server: tuple[FakeBackend, str], raw: bytes,
+                                             message: str) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        response = await http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "invalid_json" and message in response.json()["error"]["message"]
+    assert server[0].requests == []
+    await assert_still_serving(http)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                 b'[{"type": "text", "text": "ok \\ud83d"}]}]}', "messages[0].content[0].text"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                 b'"stop": ["\\ud800"]}', "stop[0]"),
+        ("/v1/chat/completions", b'{"model": "tiny", "\\ud800": 1}', "the request body"),
+    ],
+)
+async def test_unpaired_surrogates_are_400(http: httpx2.AsyncClient, server: tuple[FakeBackend, str], path: str,
+                                           raw: bytes, param: str) -> None:
+    response = await http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value") and "surrogate" in error["message"]
+    assert server[0].requests == []
+    # a surrogate pair escaped the same way is text, and reaches the backend
+    fine = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'
+    response = await http.post("/v1/completions", content=fine, headers={"content-type": "application/json"})
+    assert response.status_code == 200 and server[0].requests[-1].prompt == "\U0001f600"
+
+
+async def test_errors_carry_the_request_id(http: httpx2.AsyncClient) -> None:
+    ids = []
+    for body in (chat_body(n=2), {**chat_body(), "model": "boom"}, {**chat_body(stream=True), "model": "partial"}):
+        response = await http.post("/v1/chat/completions", json=body)
+        assert response.status_code >= 400
+        ids.append(response.headers["x-request-id"])
+    assert len(set(ids)) == 3 and all(len(i) == 32 for i in ids)
 
 
 async def test_bad_completion_prompt_and_unknown_fields(http: httpx2.AsyncClient) -> None:
@@ -543,7 +608,9 @@ async def test_what_cannot_be_honoured_is_refused_not_ignored(http: httpx2.Async
 
 @pytest.mark.parametrize(("extra", "param"), [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
                                               ({"suffix": "x"}, "suffix"), ({"logprobs": 6}, "logprobs"),
-                                              ({"tools": []}, "tools")])
+                                              ({"tools": []}, "tools"), ({"echo": 0}, "echo"),
+                                              ({"best_of": True}, "best_of"), ({"best_of": 1.0}, "best_of"),
+                                              ({"suffix": 0}, "suffix"), ({"stream_options": {}}, "stream_options")])
 async def test_legacy_completion_parameters_that_cannot_be_honoured_are_refused(
         http: httpx2.AsyncClient, extra: dict[str, object], param: str) -> None:
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **extra})

@@ -22,13 +22,15 @@ QUESTION = [{"role": "user", "content": "What do the layers say?"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": CITY}}]
+REFUSES_SYSTEM = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
 
 
 @pytest.fixture(scope="module")
 def tools_model(tiny_model, tmp_path_factory):
     target = tmp_path_factory.mktemp("models") / "tiny-tools"
     shutil.copytree(tiny_model, target)
-    (target / "chat_template.jinja").write_text(TAGGED_TEMPLATE)
+    # the template refuses a system message, as many real ones do (Mistral's, Gemma's)
+    (target / "chat_template.jinja").write_text(REFUSES_SYSTEM + TAGGED_TEMPLATE)
     return target
 
 
@@ -87,3 +89,23 @@ def test_limits_and_unsupported_parameters_are_refused(mesh, body, param):
                           json={"model": "tiny", "messages": QUESTION, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_what_the_model_cannot_take_is_a_400_not_a_failed_route(mesh, tiny_model):
+    """A chat its template refuses, and a prompt of no tokens, are the request's fault: a 400 at once,
+    not route repairs and a 503 the client would retry."""
+    api = f"http://{mesh.peers[0].api}/v1"
+    system = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    response = httpx.post(f"{api}/chat/completions", timeout=60,
+                          json={"model": "tiny-tools", "messages": system, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "System role not supported" in error["message"]
+    assert TextCodec.load(tiny_model).encode_text("") == []  # the tiny model adds no start token
+    for stream in (False, True):
+        response = httpx.post(f"{api}/completions", timeout=60,
+                              json={"model": "tiny", "prompt": "", "max_tokens": 2, "stream": stream})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt" and "no tokens" in response.json()["error"]["message"]
+    reply = client(mesh).chat.completions.create(model="tiny-tools", messages=QUESTION, max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2

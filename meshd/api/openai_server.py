@@ -243,7 +243,7 @@ class _GenerationEndpoint:
             if body.get("user"):
                 log.info("request %s for %s from user %r", request_id, parsed.generation.model, body["user"])
         except ApiError as exc:
-            await _send_json(send, exc.status, exc.body(), exc.headers())
+            await _send_json(send, exc.status, exc.body(), {**exc.headers(), "x-request-id": request_id})
             return
         except ClientDisconnect:
             return
@@ -268,7 +268,7 @@ class _GenerationEndpoint:
             outcome = await run_generation(self._backend, req, collect)
         except Exception as exc:
             error = _as_api_error(exc, req)
-            await _send_json(send, error.status, error.body(), error.headers())
+            await _send_json(send, error.status, error.body(), {**error.headers(), "x-request-id": req.request_id})
             return
         body = _Shape(req).completion("".join(parts), entries, outcome)
         await _send_json(send, 200, body, {"x-request-id": req.request_id})
@@ -293,7 +293,8 @@ class _GenerationEndpoint:
         except Exception as exc:
             error = _as_api_error(exc, req)
             if not stream.opened:
-                await _send_json(send, error.status, error.body(), error.headers())
+                await _send_json(send, error.status, error.body(),
+                                 {**error.headers(), "x-request-id": req.request_id})
                 return
             await stream.event(error.body())
             await stream.close()

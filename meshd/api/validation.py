@@ -42,9 +42,42 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
+    except RecursionError:
+        raise BadRequest("The request body nests arrays or objects too deeply.", code=ErrorCode.INVALID_JSON) from None
+    except ValueError as exc:  # valid JSON text Python will not hold, as an integer of thousands of digits
+        raise BadRequest(f"The request body holds a value that cannot be read: {exc}",
+                         code=ErrorCode.INVALID_JSON) from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.", code=ErrorCode.INVALID_TYPE)
+    where = _unencodable_text(body)
+    if where is not None:
+        raise BadRequest(f"{where} holds an unpaired surrogate (\\ud800-\\udfff escape), which is not text.", where,
+                         code=ErrorCode.INVALID_VALUE)
     return body
+
+
+def _unencodable_text(body: dict[str, Any]) -> str | None:
+    """Where ``body`` holds a string that is not text (JSON's escapes can spell a lone UTF-16 surrogate,
+    which no tokenizer, log or reply can encode), as a parameter path; None when it holds none."""
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str):
+            texts = [value]
+        elif isinstance(value, dict):
+            texts = list(value)
+            pending.extend((f"{where}.{k}" if where else k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            texts = []
+            pending.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        else:
+            continue
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "the request body"
+    return None
 
 
 def parse_chat(body: dict[str, Any], request_id: str) -> ParsedRequest:
@@ -110,26 +143,35 @@ def _parse(body: dict[str, Any], kind: RequestKind, request_id: str) -> ParsedRe
         tools=tools,
         parallel_tool_calls=parallel,
     )
-    return ParsedRequest(generation, include_usage=stream and _include_usage(body))
+    include_usage = _include_usage(body)
+    if body.get("stream_options") is not None and not stream:
+        raise _value_error("stream_options", "stream_options is only allowed when stream is true.")
+    return ParsedRequest(generation, include_usage=include_usage)
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
     """Parameters this mesh cannot honour are refused, unless they ask for what it does anyway."""
     for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value is not None and value != 0:
+        if _number(body, name, 0.0) != 0:
             raise _value_error(name, f"{name} is not supported; only 0 (no penalty) is accepted.")
+    _typed(body, "logit_bias", dict, "an object")
     if body.get("logit_bias"):
         raise _value_error("logit_bias", "logit_bias is not supported.")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _type_error("user", "a string")
     if kind == "completion":
-        if body.get("echo"):
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise _type_error("echo", "a boolean")
+        if echo:
             raise _value_error("echo", "echo is not supported.")
         best_of = body.get("best_of")
+        if best_of is not None and not _is_int(best_of):
+            raise _type_error("best_of", "an integer")
         if best_of is not None and best_of != 1:
             raise _value_error("best_of", "Only best_of=1 is supported.")
+        _typed(body, "suffix", str, "a string")
         if body.get("suffix"):
             raise _value_error("suffix", "suffix (insertion) is not supported.")
         return
@@ -140,6 +182,8 @@ def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
         if response_format["type"] != "text":
             raise _value_error("response_format", f"response_format {response_format['type']!r} is not supported: "
                                "this mesh does not constrain decoding; only 'text' is accepted.")
+    _typed(body, "store", bool, "a boolean")
+    _typed(body, "metadata", dict, "an object")
     if body.get("store"):
         raise _value_error("store", "store is not supported: replies are not stored.")
     if body.get("metadata"):
@@ -258,7 +302,9 @@ def _prompt(body: dict[str, Any]) -> str:
 
 
 def _max_tokens(body: dict[str, Any], kind: RequestKind) -> int | None:
+    """The output bound; the chat endpoint's two names for it (``max_tokens`` the older) must agree."""
     names = ["max_completion_tokens", "max_tokens"] if kind == "chat" else ["max_tokens"]
+    given: dict[str, int] = {}
     for name in names:
         value = body.get(name)
         if value is None:
@@ -267,8 +313,11 @@ def _max_tokens(body: dict[str, Any], kind: RequestKind) -> int | None:
             raise _type_error(name, "an integer")
         if value < 1:
             raise _value_error(name, f"{name} must be at least 1, got {value}.")
-        return value
-    return None
+        given[name] = value
+    if len(set(given.values())) > 1:
+        raise _value_error("max_tokens", f"max_tokens ({given['max_tokens']}) and max_completion_tokens "
+                           f"({given['max_completion_tokens']}) disagree; give one of them.")
+    return next(iter(given.values()), None)
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -304,6 +353,14 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise _type_error(name, "a number")
     return float(value)
+
+
+def _typed(body: dict[str, Any], name: str, kind: type, expected: str) -> None:
+    """Refuse ``name`` unless it is absent, null or of ``kind`` (a parameter accepted only in the value
+    that changes nothing must still be of its type: ``store: 0`` is no boolean)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise _type_error(name, expected)
 
 
 def _is_int(value: object) -> bool:

@@ -21,7 +21,7 @@ from meshd.api.errors import ApiError, BadRequest, DeadlineExceeded, ModelNotFou
 from meshd.capture.recorder import CaptureRecorder, observe
 from meshd.capture.records import RequestObservation, numerics_of
 from meshd.models.artifacts import ModelFilesCache, ModelFilesUnavailable
-from meshd.models.text import TextCodec, ToolCall
+from meshd.models.text import ChatRefused, TextCodec, ToolCall
 from meshd.session.attempt import GeneratedToken
 from meshd.session.entry import DeadlinePassed, EntrySessions, Generation, PlannedRoute
 from meshd.session.repair import AllRefused, NoCompleteRoute, RepairFailed
@@ -219,5 +219,13 @@ def _encode(codec: TextCodec, req: GenerationRequest) -> list[int]:
             raise BadRequest("this model has no chat template; send a prompt to /v1/completions", "messages")
         if req.tools and codec.tool_format is None:
             raise BadRequest("this model's chat template takes no tools", "tools")
-        return codec.encode_chat(req.messages or [], req.tools)
-    return codec.encode_text(req.prompt or "")
+        try:
+            tokens = codec.encode_chat(req.messages or [], req.tools)
+        except ChatRefused as exc:
+            raise BadRequest(f"the model's chat template refused these messages: {exc}", "messages") from None
+    else:
+        tokens = codec.encode_text(req.prompt or "")
+    if not tokens:  # a model without a start token encodes "" as nothing: there is nothing to continue
+        param, what = ("messages", "the messages encode") if req.kind == "chat" else ("prompt", "the prompt encodes")
+        raise BadRequest(f"{what} to no tokens; a generation continues at least one", param)
+    return tokens

@@ -23,11 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from meshd.session.detokenize import IncrementalDetokenizer
 
 CHAT_BOUNDARY_TAIL = 4  # without offsets: message ends looked for before the last message
 MAX_CHAT_BOUNDARIES = 512  # messages whose every end is found; longer chats: the first and the last few
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ChatRefused(ValueError):
+    """The model's chat template refused the conversation (its ``raise_exception``: roles out of
+    order, a role it has none for), or failed on it: the request's fault, not the mesh's."""
 
 
 class ToolFormat(enum.StrEnum):
@@ -73,7 +80,10 @@ class TextCodec:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
         if tools:
             kwargs["tools"] = tools
-        encoded = self.tokenizer.apply_chat_template([_for_template(m) for m in messages], **kwargs)
+        try:
+            encoded = self.tokenizer.apply_chat_template([_for_template(m) for m in messages], **kwargs)
+        except TemplateError as exc:  # the template's own refusal ("roles must alternate"), or its error
+            raise ChatRefused(str(exc) or type(exc).__name__) from None
         return [int(i) for i in encoded["input_ids"]]
 
     def chat_boundaries(self, messages: list[dict[str, Any]], tokens: list[int],
