@@ -4,6 +4,7 @@ relay restart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import trio
 from meshd_relay import RelayConfig, RelayServer, load_config
-from trio_websocket import ConnectionClosed, open_websocket
+from trio_websocket import ConnectionClosed, open_websocket, serve_websocket
 
 from meshd.address import Address, relay_address
 from meshd.admission.records import sign_membership
@@ -190,6 +191,56 @@ async def test_bad_signature_and_replayed_challenge_are_refused_and_counted(nurs
     target = await relayed_peer(nursery, relay)
     assert await round_trip(await dialer(nursery), target, relay) == b"ping"
     assert relay.metrics.value("meshd_relay_registered_peers") == 1
+
+
+NESTED = "[" * 2040 + "]" * 2040  # valid JSON, under the control messages' size limit, past Python's recursion limit
+
+
+async def test_deeply_nested_json_in_a_registration_is_refused_as_malformed(nursery):
+    relay = await start_relay(nursery)
+    async with open_websocket("127.0.0.1", relay.port, REGISTER_PATH, use_ssl=False) as ws:
+        await ws.get_message()
+        await ws.send_message(NESTED)
+        assert (await closed_with(ws))[1] == "malformed"
+    assert rejections(relay, Reason.MALFORMED) == 1
+    target = await relayed_peer(nursery, relay)  # the relay still serves everybody else
+    assert await round_trip(await dialer(nursery), target, relay) == b"ping"
+
+
+@pytest.mark.parametrize("when", ["challenge", "registered", "registered-later"])
+async def test_a_relay_sending_garbage_costs_a_peer_its_registration_only(nursery, when):
+    """Whatever a relay (or anyone on the path of its plain WebSocket) sends, the registration fails
+    and is tried again; it never ends the peer's task."""
+    sessions = 0
+
+    async def bad_relay(request) -> None:
+        nonlocal sessions
+        sessions += 1
+        ws = await request.accept()
+        with contextlib.suppress(ConnectionClosed):  # the peer may close at any point (the test ends it)
+            if when == "challenge":
+                await ws.send_message(NESTED)
+            else:
+                await ws.send_message(json.dumps({"type": "challenge", "nonce": "00" * NONCE_BYTES}))
+                await ws.get_message()
+                await ws.send_message(json.dumps({"type": "registered", "peer_id": identity.peer_id}))
+                if when == "registered-later":  # once the peer waits for circuits
+                    await trio.sleep(0.1)
+                await ws.send_message(NESTED)
+            while True:  # until the peer closes its side
+                await ws.get_message()
+
+    identity = Identity.generate()
+    server = await nursery.start(serve_websocket, bad_relay, "127.0.0.1", 0, None)
+    registration = RelayRegistration(identity, f"127.0.0.1:{server.port}", None, backoff_initial=0.01,
+                                     backoff_max=0.02)
+    async with trio.open_nursery() as inner:
+        inner.start_soon(registration.run)
+        await wait_for(lambda: sessions >= 3 and not registration.registered, "three sessions with the relay",
+                       timeout=30)
+        inner.cancel_scope.cancel()
+    assert sessions >= 3
+    assert "malformed" in registration.last_error and "nested too deeply" in registration.last_error
 
 
 async def test_allow_list_and_relay_full(nursery):

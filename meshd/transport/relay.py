@@ -138,6 +138,8 @@ def parse_message(message: str | bytes, expected_type: str | None = None) -> dic
         doc = json.loads(message)
     except ValueError:
         raise RelayRejected(Reason.MALFORMED, "not JSON") from None
+    except RecursionError:  # short, yet nested past what the parser's stack holds
+        raise RelayRejected(Reason.MALFORMED, "JSON nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("type"), str):
         raise RelayRejected(Reason.MALFORMED, "no message type")
     if expected_type is not None and doc["type"] != expected_type:
@@ -242,6 +244,9 @@ class RelayRegistration:
                     self.last_error = str(exc)
                 except (OSError, HandshakeError, ConnectionClosed, trio.BrokenResourceError,
                         trio.TooSlowError) as exc:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                except Exception as exc:  # whatever went wrong with this relay costs this session only
+                    log.exception("relay %s: the control session failed", self.relay)
                     self.last_error = f"{type(exc).__name__}: {exc}"
                 self._set_registered(False)
                 if self.registrations > before:
