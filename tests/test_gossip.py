@@ -6,6 +6,8 @@ import heapq
 import itertools
 import random
 
+import pytest
+
 from meshd.address import Address
 from meshd.cards import RejectReason
 from meshd.gossip import GossipConfig, GossipNode, MemberChanged, MemberState, Send, dead_everywhere_bound
@@ -262,6 +264,40 @@ def test_a_claim_about_our_sequence_beyond_what_a_card_carries_is_ignored():
     node.on_message(net.ids[0], msg, net.now)
     node.republish(net.now + 1)  # would raise if the sequence had been pushed past a uint64
     assert node.issuer.sequence <= before + 2
+
+
+@pytest.mark.parametrize("state", [pb.DEAD, pb.SUSPECT, pb.LEFT])
+def test_a_claim_about_another_peer_beyond_what_it_could_refute_is_ignored(state):
+    """An unsigned claim that a peer is gone, at a sequence past what its cards may reach, would set a
+    replay floor no card of that peer could beat: it would be shut out for good."""
+    net = Network(4)
+    net.join_all_via(0)
+    assert net.run_until(20.0, net.converged) is not None
+    forger, victim, hearer = net.ids[3], net.ids[1], net.ids[2]
+    msg = pb.GossipMessage(ping=pb.Ping(seq=1, from_peer=forger),
+                           updates=[pb.MemberDigest(peer_id=victim, sequence=2**63, state=state)])
+    net.perform(hearer, net.nodes[hearer].on_message(forger, msg, net.now))
+    assert net.nodes[hearer].members()[victim] == MemberState.ALIVE
+    assert net.nodes[hearer].store.known_sequence(victim) < 2**62
+    net.silent.add(forger)
+    net.run_until(net.now + 120.0)
+    for pid in (net.ids[0], hearer):
+        assert net.nodes[pid].members().get(victim) == MemberState.ALIVE
+
+
+def test_a_claim_just_below_the_bound_is_refuted():
+    net = Network(4)
+    net.join_all_via(0)
+    assert net.run_until(20.0, net.converged) is not None
+    forger, victim, hearer = net.ids[3], net.ids[1], net.ids[2]
+    msg = pb.GossipMessage(ping=pb.Ping(seq=1, from_peer=forger),
+                           updates=[pb.MemberDigest(peer_id=victim, sequence=2**62 - 1, state=pb.DEAD)])
+    net.perform(hearer, net.nodes[hearer].on_message(forger, msg, net.now))
+    assert net.nodes[hearer].members()[victim] == MemberState.DEAD
+    net.silent.add(forger)
+    assert net.run_until(net.now + 60.0, lambda: all(
+        net.nodes[p].members().get(victim) == MemberState.ALIVE for p in (net.ids[0], hearer))) is not None
+    assert net.nodes[victim].issuer.sequence >= 2**62
 
 
 def test_dead_claims_about_made_up_peers_are_bounded():

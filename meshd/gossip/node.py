@@ -137,7 +137,7 @@ class _Broadcast:
 
 _GONE = (MemberState.DEAD, MemberState.LEFT)
 VERIFIED_LEASES_KEPT = 64
-MAX_SEQUENCE = 2**62  # claims about our own sequence above this are ignored: a card's sequence is a uint64
+MAX_SEQUENCE = 2**62  # claims of a sequence above this are ignored, about anyone: a card's sequence is a uint64
 LEASES_SENT = 3  # the best leases held ride on every message (one, unless several peers claim at once)
 CARD_BURST = 4  # own cards that may go out in a row before the gap paces them
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
@@ -553,9 +553,10 @@ class GossipNode:
         state = MemberState(digest.state) if digest.state in _STATE_VALUES else None
         if state is None or state == MemberState.ALIVE:
             return  # liveness is only ever proven by a signed card
+        if digest.sequence >= MAX_SEQUENCE:
+            return  # a claim its subject ignores (it could never refute it) is believed by nobody either
         if digest.peer_id == self.self_id:
-            if (self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence
-                    and digest.sequence < MAX_SEQUENCE):  # beyond it we could never refute again
+            if self.issuer is not None and not self._left and digest.sequence >= self.issuer.sequence:
                 self._issue_own(now, at_least=digest.sequence)
                 self._push_news(actions)
             return
