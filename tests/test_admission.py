@@ -13,7 +13,9 @@ from meshd.admission import InviteRefused, Membership, MeshGate, NotAdmitter, No
 from meshd.admission.gate import MEMBERSHIP_HEADER
 from meshd.admission.records import check_invite, sign_invite, sign_membership, sign_revocation
 from meshd.cards.card import CardIssuer, CardRejected, CardStore, RejectReason
+from meshd.election import sign_lease, verify_lease
 from meshd.gossip import GossipConfig, GossipNode, Send
+from meshd.gossip.node import LEASES_KEPT, LEASES_SENT
 from meshd.identity import Identity
 from meshd.wire import admission_pb2 as apb
 from meshd.wire import card_pb2 as cpb
@@ -145,6 +147,37 @@ def test_a_revocation_spreads_by_push_pull_and_drops_the_peer_everywhere():
     c.on_card(b.store.get(b.self_id).signed, now)  # bob's card, still circulating: refused
     assert bob.peer_id not in c.live_cards()
     assert c.rejected_cards[RejectReason.REVOKED] == 1
+
+
+def test_a_private_mesh_takes_tracker_leases_from_members_only_and_keeps_a_few():
+    alice, bob = ident(2), ident(3)
+    node = GossipNode.with_identity(alice, cpb.CapabilityCard(membership=sign_membership(MESH_KEY, alice.peer_id,
+                                                                                        ms())), config=GossipConfig())
+    node.admit_with(MeshGate(MESH_KEY.public_key, alice.peer_id))
+    now = time.time()
+    now_ms = int(now * 1000)
+    stranger = Identity.generate()
+    node.on_message(bob.peer_id, cpb.GossipMessage(leases=[sign_lease(stranger, 9, now_ms, now_ms + 3000)]), now)
+    assert node.leases() == []  # not a member: it cannot be tracker here
+    bobs = GossipNode.with_identity(bob, cpb.CapabilityCard(membership=sign_membership(MESH_KEY, bob.peer_id, ms())),
+                                    config=GossipConfig())
+    bobs.republish(now)
+    node.on_card(bobs.store.get(bob.peer_id).signed, now)
+    node.on_message(bob.peer_id, cpb.GossipMessage(leases=[sign_lease(bob, 9, now_ms, now_ms + 3000)]), now)
+    assert [verify_lease(s).peer_id for s in node.leases()] == [bob.peer_id]
+
+
+def test_tracker_leases_of_throwaway_identities_do_not_grow_a_peer_or_its_messages():
+    alice = ident(2)
+    node = GossipNode.with_identity(alice, cpb.CapabilityCard(), config=GossipConfig())  # an open mesh
+    now = time.time()
+    now_ms = int(now * 1000)
+    many = [sign_lease(Identity.generate(), 1 + i % 50, now_ms, now_ms + 3000) for i in range(300)]
+    node.on_message(ident(3).peer_id, cpb.GossipMessage(leases=many), now)
+    assert len(node._leases) == LEASES_KEPT
+    best = max(verify_lease(s).term for s in many)
+    sent = node._push_pull_request().push_pull.leases
+    assert len(sent) == LEASES_SENT and verify_lease(sent[0]).term == best
 
 
 # -- this peer's membership on disk ----------------------------------------------------------------

@@ -7,7 +7,16 @@ import itertools
 
 import pytest
 
-from meshd.election import BroadcastLease, Election, ElectionConfig, TrackerChanged, sign_lease, verify_lease
+from meshd.election import (
+    BroadcastLease,
+    Election,
+    ElectionConfig,
+    LeaseRejected,
+    TrackerChanged,
+    sign_lease,
+    verify_lease,
+)
+from meshd.election.lease import CLOCK_SKEW_MS, MAX_LEASE_MS, MAX_TERM
 from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
@@ -148,6 +157,36 @@ def test_forged_leases_are_ignored():
     assert victim.rejected == 3
     assert victim.tracker(cluster.now) == tracker
     assert victim.highest_term == 1
+
+
+def test_leases_no_peer_could_outbid_or_outlive_are_refused():
+    """A term past the bound would leave no room for the next claim (a uint64), a lease of a year
+    would name a tracker long dead, and one dated ahead of every clock would stay valid as long."""
+    key = Identity.generate()
+    observer = Election("observer", False)
+    now_ms = 1_800_000_000_000
+    refused = [sign_lease(key, MAX_TERM, now_ms, now_ms + 3000), sign_lease(key, 2**64 - 1, now_ms, now_ms + 3000),
+               sign_lease(key, 5, now_ms, now_ms + MAX_LEASE_MS + 1)]
+    for signed in refused:
+        with pytest.raises(LeaseRejected):
+            verify_lease(signed)
+        assert observer.on_lease(signed, now_ms / 1000) == []
+    assert observer.rejected == 3 and observer.highest_term == 0
+    ahead = now_ms + CLOCK_SKEW_MS + 365 * 86_400_000
+    assert observer.on_lease(sign_lease(key, 7, ahead, ahead + MAX_LEASE_MS), now_ms / 1000) == []
+    assert observer.tracker(now_ms / 1000) is None and observer.highest_term == 0 and observer.rejected == 4
+    skewed = now_ms + CLOCK_SKEW_MS // 2
+    observer.on_lease(sign_lease(key, 6, skewed, skewed + 3000), now_ms / 1000)
+    assert observer.tracker(now_ms / 1000) == key.peer_id  # a clock a little ahead is fine
+
+
+def test_a_peer_claims_nothing_once_no_term_is_left():
+    key, rival = Identity.generate(), Identity.generate()
+    node = Election(key.peer_id, True, CONFIG, key)
+    node.on_lease(sign_lease(rival, MAX_TERM - 1, 0, 3000), 0.0)
+    assert node.highest_term == MAX_TERM - 1
+    assert [a for t in range(40, 100) for a in node.tick(t * 0.1, [key.peer_id])
+            if isinstance(a, BroadcastLease)] == []  # the rival's lease expired; no claim fits, none is made
 
 
 def sign_lease_body(key: Identity, lease: pb.TrackerLease) -> pb.SignedLease:

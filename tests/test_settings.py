@@ -79,6 +79,7 @@ def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: 
     ("dtype = \"int8\"\nlayers = \"0:4\"", "layers, dtype: for the model this peer serves, and it is given none"),
     ("model_id = \"tiny\"\nbackend = \"torch\"\nnumerics = \"cpu/float32/prefill-native/decode-native-rows1\"",
      "backend, numerics: for a model given with model; a peer fetching model_id computes it in the numerics class"),
+    ("lease_duration_s = 3600", "lease_duration_s is at most 600 seconds: peers refuse longer leases"),
     ("listen = ", "Invalid value"),
 ])
 def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_path: Path, toml: str,

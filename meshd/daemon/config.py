@@ -12,6 +12,7 @@ from typing import Any
 
 from meshd.address import Address
 from meshd.capture.records import CAPTURE_MODES
+from meshd.election.lease import MAX_LEASE_MS
 from meshd.links.profiles import parse_link_shape
 from meshd.logs import FORMATS, LEVELS
 from meshd.session import SPECULATIVE_MODES
@@ -102,7 +103,7 @@ class PeerConfig:
     probe_timeout_s: float = setting(0.4, "seconds a probe waits for its answer")
     suspect_timeout_s: float = setting(2.0, "seconds a suspected peer has to refute before it is declared dead")
     pushpull_interval_s: float = setting(0.5, "seconds between full card exchanges with a random peer")
-    lease_duration_s: float = setting(3.0, "seconds a tracker lease lasts unless renewed")
+    lease_duration_s: float = setting(3.0, "seconds a tracker lease lasts unless renewed (at most 600)")
     card_ttl_s: float = setting(30.0, "seconds a capability card lives unless its peer re-issues it")
     card_budget: int = setting(2048, "bytes per second of capability cards from the whole mesh, which is what each "
                                "peer receives: in a large mesh a peer re-issues its card only every peers x card "
@@ -179,6 +180,9 @@ class PeerConfig:
             raise ValueError("prefill_only needs a model and a pinned range (--layers): a prefill worker is not placed")
         if self.model is None:
             self._refuse_model_settings()
+        if self.lease_duration_s > MAX_LEASE_MS / 1000:
+            raise ValueError(f"lease_duration_s is at most {MAX_LEASE_MS // 1000} seconds: peers refuse longer leases, "
+                             f"not {self.lease_duration_s}")
         for name in ("chunk_tokens", "max_sessions", "max_queue", "repair_attempts", "audit_tokens", "card_budget",
                      "capture_max_records", "capture_max_bytes"):
             if getattr(self, name) < 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshd.election.lease import Lease, LeaseRejected, sign_lease, verify_lease
+from meshd.election.lease import MAX_TERM, Lease, LeaseRejected, sign_lease, verify_lease
 from meshd.identity import Identity
 from meshd.wire import card_pb2 as pb
 
@@ -98,6 +98,9 @@ class Election:
         except LeaseRejected:
             self.rejected += 1
             return []
+        if lease.dated_ahead(_ms(now)):  # its term is no claim either, until its time comes
+            self.rejected += 1
+            return []
         self._remember(lease)
         return self._report(now)
 
@@ -108,7 +111,8 @@ class Election:
             if self.eligible:
                 if self._vacant_since is None:
                     self._vacant_since = now
-                if now >= self._vacant_since + self.candidacy_delay(alive_eligible_peers):
+                if (now >= self._vacant_since + self.candidacy_delay(alive_eligible_peers)
+                        and self.highest_term + 1 < MAX_TERM):  # past it no claim fits: entries route on their own
                     actions.append(self._issue(self.highest_term + 1, now))
         else:
             self._vacant_since = None

@@ -13,6 +13,10 @@ from meshd.errors import ErrorCode, MeshError
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.wire import card_pb2 as pb
 
+MAX_TERM = 2**62  # a term at or past this is refused: every later claim must still fit a lease's uint64
+MAX_LEASE_MS = 600_000  # no lease lasts longer; a longer one would outlive a dead holder by that much
+CLOCK_SKEW_MS = 60_000  # how far ahead of ours another peer's clock may run (a lease issued later is not yet valid)
+
 
 class LeaseRejected(MeshError):
     """A lease failed verification (malformed, key not matching peer id, or bad signature)."""
@@ -34,8 +38,13 @@ class Lease:
     expires_at_ms: int
     signed: pb.SignedLease
 
+    def dated_ahead(self, now_ms: int) -> bool:
+        """Issued further ahead than clock skew explains: a lease dated a year ahead is no lease for now,
+        and would stay valid that long."""
+        return self.issued_at_ms > now_ms + CLOCK_SKEW_MS
+
     def valid_at(self, now_ms: int) -> bool:
-        return self.expires_at_ms > now_ms
+        return self.expires_at_ms > now_ms and not self.dated_ahead(now_ms)
 
     def rank(self) -> tuple[int, str]:
         """Sort key of precedence: higher term first, then the lowest peer id."""
@@ -66,6 +75,10 @@ def verify_lease(signed: pb.SignedLease | bytes) -> Lease:
     if (not lease.peer_id or lease.term == 0 or len(lease.public_key) != PUBLIC_KEY_BYTES
             or len(signed.signature) != SIGNATURE_BYTES or lease.expires_at_ms <= lease.issued_at_ms):
         raise LeaseRejected("malformed")
+    if lease.term >= MAX_TERM:
+        raise LeaseRejected("term_too_high")
+    if lease.expires_at_ms - lease.issued_at_ms > MAX_LEASE_MS:
+        raise LeaseRejected("too_long")
     if peer_id_from_public_key(lease.public_key) != lease.peer_id:
         raise LeaseRejected("key_mismatch")
     if not verify(lease.public_key, signed.lease, signed.signature):

@@ -139,6 +139,7 @@ _GONE = (MemberState.DEAD, MemberState.LEFT)
 VERIFIED_LEASES_KEPT = 64
 MAX_SEQUENCE = 2**62  # claims of a sequence above this are ignored, about anyone: a card's sequence is a uint64
 LEASES_SENT = 3  # the best leases held ride on every message (one, unless several peers claim at once)
+LEASES_KEPT = 16  # the best leases held, at most: only the best decides, and only the best few are passed on
 CARD_BURST = 4  # own cards that may go out in a row before the gap paces them
 _STATE_VALUES = frozenset(int(s) for s in MemberState)
 
@@ -226,7 +227,8 @@ class GossipNode:
         return card if m is not None and m.state not in _GONE else None
 
     def leases(self) -> list[pb.SignedLease]:
-        return [lease.signed for lease in self._leases.values()]
+        """The best leases held (one, unless several peers claim at once): only the best decides."""
+        return [lease.signed for lease in sorted(self._leases.values(), key=Lease.rank)[:LEASES_SENT]]
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -593,10 +595,17 @@ class GossipNode:
             self._verified_leases[signed.signature] = lease
         if not lease.valid_at(_ms(now)):
             return
+        if self.gate is not None and not self.gate.admits(lease.peer_id):
+            return  # in a private mesh only a member may be tracker, as only members' cards are held
         held = self._leases.get(lease.peer_id)
         if held is not None and (lease.term, lease.expires_at_ms) <= (held.term, held.expires_at_ms):
             return
         self._leases[lease.peer_id] = lease
+        if len(self._leases) > LEASES_KEPT:  # claims of throwaway identities cannot grow the table
+            worst = max(self._leases.values(), key=Lease.rank)
+            del self._leases[worst.peer_id]
+            if worst is lease:
+                return
         self._push_news(actions)
         if report:
             actions.append(LeaseReceived(lease.signed))
@@ -669,7 +678,7 @@ class GossipNode:
         mesh too."""
         message = pb.GossipMessage()
         message.CopyFrom(body)
-        message.leases.extend(lease.signed for lease in sorted(self._leases.values(), key=Lease.rank)[:LEASES_SENT])
+        message.leases.extend(self.leases())
         chosen = sorted(reversed(self._queue.items()), key=lambda item: -item[1].remaining)[: self.config.max_piggyback]
         for key, entry in chosen:
             if entry.digest is not None:
