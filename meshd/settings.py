@@ -81,6 +81,8 @@ def layered_settings(
 def _convert(name: str, value: Any, default: Any, convert: Callable[[Any], Any] | None) -> Any:
     if isinstance(value, (dict, list)) and not isinstance(default, list):
         raise ValueError(f"expected one value, not a {type(value).__name__}")
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ValueError(f"expected text, not {value!r} (in a settings file, quote it)")
     if convert is not None:
         return convert(value)
     if isinstance(default, bool):
@@ -121,14 +123,19 @@ def described_fields(cls: type) -> list[tuple[str, Any, str]]:
     return out
 
 
-def commented_toml(cls: type, header: str, values: dict[str, Any] | None = None) -> str:
+def commented_toml(cls: type, header: str, values: dict[str, Any] | None = None,
+                   given_elsewhere: dict[str, str] | None = None) -> str:
     """A TOML file listing every setting with what it means and its default, commented out, except
-    those given in ``values``, which are set."""
+    those given in ``values``, which are set, and those ``given_elsewhere`` (by a flag that overrides
+    the file), which say where instead of offering a line that would be ignored."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for name, default, text in described_fields(cls):
         lines.append("")
         lines.extend(f"# {part}" for part in textwrap.wrap(text, 96))
-        if values and name in values:
+        if given_elsewhere and name in given_elsewhere:
+            lines.extend(f"# {part}" for part in textwrap.wrap(f"{name}: {given_elsewhere[name]}", 96,
+                                                                 break_long_words=False, break_on_hyphens=False))
+        elif values and name in values:
             lines.append(f"{name} = {_toml_value(values[name])}")
         elif default is None:
             lines.append(f'# {name} = ""  (not set)')

@@ -97,6 +97,88 @@ def test_every_daemon_command_fails_in_one_line_when_the_daemon_is_down(tmp_path
         assert run.stdout == ""
 
 
+class _NotMeshd:
+    """An HTTP server on loopback answering every GET with ``get`` and every POST with ``post``
+    (status, body): a program that is not meshd on the control port, or an API that refuses."""
+
+    def __init__(self, get: tuple[int, bytes], post: tuple[int, bytes] = (404, b"")) -> None:
+        import http.server
+        import threading
+
+        answers = {"GET": get, "POST": post}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                self.rfile.read(length)
+                status, body = answers[self.command]
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _NotMeshd:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def _one_line(run: subprocess.CompletedProcess, code: int, *parts: str) -> None:
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == code and len(lines) == 1, (run.returncode, run.stderr)
+    assert all(part in lines[0] for part in parts), lines[0]
+
+
+def test_a_control_address_that_is_not_meshd_is_one_line():
+    with _NotMeshd((200, b"<html>hello</html>")) as other:
+        _one_line(meshctl("status", "--control", other.address, "--timeout", "5"), 1,
+                  "answered, but not as meshd's control API")
+    _one_line(meshctl("status", "--control", "127.0.0.1:abc", "--timeout", "5"), 1, "cannot reach")
+
+
+def test_chat_refused_by_the_api_is_one_line():
+    import json
+
+    refusal = {"error": {"message": "The model 'nope' does not exist", "type": "invalid_request_error",
+                         "param": "model", "code": "model_not_found"}}
+    with _NotMeshd((200, b""), (404, json.dumps(refusal).encode())) as api:
+        status = json.dumps({"api": api.address, "models_covered": ["tiny"]}).encode()
+        with _NotMeshd((200, status)) as control:
+            run = meshctl("chat", "hi", "--model", "nope", "--control", control.address, "--timeout", "5")
+    _one_line(run, 1, f"the API at {api.address} answered 404", "The model 'nope' does not exist")
+    assert "Traceback" not in run.stderr
+
+
+def test_ordinary_mistakes_are_one_line_not_a_traceback(tmp_path):
+    _one_line(meshctl("doctor", "--model", str(tmp_path), "--device", "bogus"), 2, "unknown device 'bogus'")
+    _one_line(meshctl("doctor", "--model", str(tmp_path), "--device", "cuda:x"), 2, "unknown device 'cuda:x'")
+    run = meshctl("model", "create", "tiny", "--out", "/proc/meshd-cannot-write-here")  # a progress line, then why
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1].startswith("meshctl: ") and "Traceback" \
+        not in run.stderr, run.stderr
+    _one_line(meshctl("demo", "--model", str(tmp_path / "absent")), 2, "is not a model directory")
+    run = meshctl("logs", "-n", "0")
+    assert run.returncode == 2 and "at least 1, not 0" in run.stderr
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "identity.key").write_text("not a key\n")
+    (tmp_path / "state" / "identity.key").chmod(0o600)
+    _one_line(meshd("init", "--config", "peer.toml", "--data-dir", "state", cwd=tmp_path), 1, "identity key")
+    assert not (tmp_path / "peer.toml").exists()
+
+
 def test_json_logs_are_one_object_per_line_naming_the_peer(tmp_path):
     import json
     import socket
@@ -147,6 +229,7 @@ def test_every_command_and_option_says_what_it_does():
     (["bench", "--seed", "3", "--no-pin"], "the standard workload does not take --seed, --no-pin"),
     (["bench", "--serve", "--prefix-tokens", "64"], "--serve does not take --prefix-tokens"),
     (["bench", "--quant", "q4_k"], "does not take --quant without --format gguf"),
+    (["bench", "--format", "gguf", "--model", "mine.gguf", "--quant", "f16"], "--quant with a GGUF file"),
     (["bench", "--draft-model", "draft"], "does not take --draft-model without --speculative model or auto"),
     (["bench-relay", "--model", "tiny", "--runs", "2"], "--model is for --decode; --runs is for --decode"),
     (["bench-relay", "--decode", "--link-caps", "4MB"], "--link-caps is for --compression"),

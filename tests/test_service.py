@@ -13,7 +13,7 @@ import pytest
 
 from meshd.cli.meshctl_main import main as meshctl
 from meshd.service.manage import apply
-from meshd.service.plan import PROGRAMS, FileWrite, Installation, ServiceError, ServicePlan, Step
+from meshd.service.plan import PROGRAMS, FileWrite, Installation, ServiceError, ServicePlan, Step, default_settings
 
 REQUIRE_TOOLS = os.environ.get("MESHD_REQUIRE_SYSTEM_TOOLS") == "1"
 
@@ -54,6 +54,10 @@ def test_a_dry_run_prints_every_file_and_command_and_touches_nothing(
         domain = "system" if scope == "system" else f"gui/{os.getuid()}"
         assert f"run launchctl bootstrap {domain} {inst.service_file}" in out
     assert list(tmp_path.iterdir()) == [], "a dry run wrote files"
+    settings = default_settings(program, inst.state_dir)
+    # the unit gives the data directory with --data-dir, which overrides the file: no line offers it
+    flat = settings.replace("\n# ", " ")  # the comments' lines joined again
+    assert "data_dir =" not in settings and (f"({inst.state_dir})" in flat) is not relay
     assert (str(inst.state_dir) in out) is not relay, "only the peer has a data directory"
 
     rc, out, _ = _run_meshctl(capsys, "service", "uninstall", "--dry-run", f"--{scope}", "--platform", platform,

@@ -79,6 +79,8 @@ def test_init_creates_the_identity_and_a_settings_file_and_keeps_both(tmp_path: 
     ("dtype = \"int8\"\nlayers = \"0:4\"", "layers, dtype: for the model this peer serves, and it is given none"),
     ("model_id = \"tiny\"\nbackend = \"torch\"\nnumerics = \"cpu/float32/prefill-native/decode-native-rows1\"",
      "backend, numerics: for a model given with model; a peer fetching model_id computes it in the numerics class"),
+    ("name = 5", "name: expected text, not 5 (in a settings file, quote it)"),
+    ("invite = 5", "invite: expected text"),
     ("lease_duration_s = 3600", "lease_duration_s is at most 600 seconds: peers refuse longer leases"),
     ("listen = ", "Invalid value"),
 ])
@@ -90,6 +92,13 @@ def test_a_bad_settings_file_is_refused_in_one_line_before_anything_starts(tmp_p
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshd: bad configuration: ") and message in lines[0], lines
     assert not (tmp_path / "state").exists()
+
+
+def test_a_path_setting_left_empty_is_not_set(tmp_path: Path) -> None:
+    """The file `meshd init` writes shows unset paths as ``""``: uncommented, they stay unset."""
+    (tmp_path / "peer.toml").write_text('draft_model = ""\nready_file = ""\nmodel = ""\n')
+    config = load_config(tmp_path / "peer.toml")
+    assert (config.draft_model, config.ready_file, config.model) == (None, None, None)
 
 
 def test_a_peer_fetching_its_model_may_pin_its_range_and_one_without_a_model_takes_the_defaults() -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshd.errors import MeshError
 from meshd.models.builtin import default_model_dir, ensure_builtin
 
 PROMPT = "Tell me a story about a small machine."
@@ -32,6 +33,9 @@ def _say(message: str) -> None:
 def run_demo(model_dir: Path | None = None, max_new_tokens: int = MAX_TOKENS) -> int:
     from meshd.daemon.local_mesh import LocalMesh, LocalMeshError, budgets_for_split
 
+    if model_dir is not None and not Path(model_dir).is_dir():
+        print(f"demo: {model_dir} is not a model directory", file=sys.stderr)
+        return 2
     model_dir = model_dir or ensure_builtin("tiny", default_model_dir("tiny"))
     model_id = Path(model_dir).name
     _say(f"model {model_id} at {model_dir}")
@@ -40,7 +44,7 @@ def run_demo(model_dir: Path | None = None, max_new_tokens: int = MAX_TOKENS) ->
             _say(f"starting {PEERS} daemons on loopback (no layer ranges given; the tracker places them)")
             mesh.start_peers([dict(model=model_dir, memory_budget=b) for b in budgets_for_split(model_dir, PEERS)])
             mesh.wait_covered(model_id, timeout=90)
-        except LocalMeshError as exc:
+        except (LocalMeshError, MeshError) as exc:  # the daemons, or a model they cannot serve
             print(f"demo: the mesh did not come up: {exc}", file=sys.stderr)
             return 1
         entry = mesh.peers[0]

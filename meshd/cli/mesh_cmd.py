@@ -6,6 +6,7 @@ asked."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -29,16 +30,24 @@ def control_get(args: argparse.Namespace, path: str, body: dict | None = None) -
         url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
-            return json.loads(resp.read())
+            raw = resp.read()
     except urllib.error.HTTPError as exc:
         try:
             detail = json.loads(exc.read()).get("error", "")
         except ValueError:
             detail = ""
         raise ControlError(f"{url}: HTTP {exc.code} {detail}".strip()) from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         raise ControlError(f"cannot reach the daemon's control API at {args.control}: {exc}. "
                            "Is meshd running? (set --control or MESHD_CONTROL)") from None
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise ControlError(f"{url} answered, but not as meshd's control API (no JSON object): is --control "
+                           "the daemon's control address?")
+    return answer
 
 
 def _age(seconds: float | None) -> str:
@@ -229,6 +238,16 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {value}")
+    return value
+
+
 def parse_duration(text: str) -> float:
     """``"90s"``, ``"30m"``, ``"1h"``, ``"7d"`` or plain seconds -> seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -263,7 +282,7 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from openai import OpenAI
+    from openai import APIError, OpenAI
 
     status = control_get(args, "/status")
     api = status["api"]
@@ -273,11 +292,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print("meshctl: the mesh covers no model completely yet", file=sys.stderr)
         return 1
     started = time.monotonic()
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.message}],
-                                            stream=True, max_tokens=args.max_tokens, temperature=args.temperature)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
+    try:
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.message}],
+                                                stream=True, max_tokens=args.max_tokens,
+                                                temperature=args.temperature)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="", flush=True)
+    except APIError as exc:  # refused (unknown model, bad parameter, no route) or failed on the way
+        body = exc.body if isinstance(exc.body, dict) else {}
+        code = getattr(exc, "status_code", None)
+        print(f"meshctl: the API at {api} {'answered ' + str(code) if code else 'failed'}: "
+              f"{body.get('message') or exc.message}", file=sys.stderr)
+        return 1
     print(f"\n[{model} via {api}, {time.monotonic() - started:.2f}s]", file=sys.stderr)
     return 0
 
@@ -312,7 +339,7 @@ def add_mesh_parsers(sub: argparse._SubParsersAction) -> None:
     logs = _daemon_command(sub, "logs", "this daemon's recent log records (with session and route ids)", _cmd_logs,
                            "The daemon keeps its last 2000 log records in memory; this prints them. --session "
                            "follows one request's records (on every peer of its route, ask each).")
-    logs.add_argument("-n", "--lines", type=int, default=100, help="how many records (default 100)")
+    logs.add_argument("-n", "--lines", type=_at_least_one, default=100, help="how many records (default 100)")
     logs.add_argument("--session", metavar="ID", help="only records of this session (request) id")
 
     invite = sub.add_parser(

@@ -33,7 +33,7 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
         print(f"creating built-in model {args.name!r} as {args.quant} GGUF in {out}", file=sys.stderr)
         try:
             create_builtin_gguf(args.name, out, args.quant, say, force=args.force)
-        except (FileExistsError, MeshError) as exc:
+        except (OSError, MeshError) as exc:
             print(f"meshctl: {exc}", file=sys.stderr)
             return 1
         print(out)
@@ -45,7 +45,7 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     print(f"creating built-in model {args.name!r} in {out}", file=sys.stderr)
     try:
         create_builtin(args.name, out, progress=say, force=args.force)
-    except FileExistsError as exc:
+    except (OSError, MeshError) as exc:  # exists already, or cannot be written there
         print(f"meshctl: {exc}", file=sys.stderr)
         return 1
     print(out)
@@ -121,6 +121,8 @@ def _bench_options_refused(args: argparse.Namespace, benchmark: str) -> bool:
     foreign = [flag for flag, _mode in misplaced(args, BENCH_OPTIONS, {benchmark})]
     if benchmark == "standard" and args.quant is not None and args.format != "gguf":
         foreign.append("--quant without --format gguf")
+    elif benchmark == "standard" and args.quant is not None and args.model not in BUILTIN_NAMES:
+        foreign.append("--quant with a GGUF file (its own quantization is what is measured)")
     if benchmark == "standard" and args.draft_model is not None and not {"model", "auto"} & set(args.speculative):
         foreign.append("--draft-model without --speculative model or auto")
     if foreign:
@@ -154,7 +156,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       workdir=Path(args.workdir) if args.workdir else None, dtype=args.dtype, format=args.format,
                       quant=args.quant, links=tuple(links.values()), speculative=args.speculative,
                       draft_model=args.draft_model)
-    name = Path(args.model).name + (f"-gguf-{args.quant}" if args.format == "gguf" else "")
+    name = Path(args.model).name + (f"-gguf-{args.quant}" if args.format == "gguf" and args.model in BUILTIN_NAMES
+                                    else "")
     out = Path(args.out) if args.out else Path("bench-out") / f"bench-{name}.json"
     return main_bench(cfg, out)
 
@@ -228,10 +231,12 @@ def _cmd_bench_relay(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     """Check a model directory's range as a peer would before serving it (no daemon needed)."""
     from meshd.daemon.config import parse_range
+    from meshd.runtime.devices import resolve_device
     from meshd.runtime.doctor import run_doctor
 
     try:
         layers = parse_range(args.layers) if args.layers else None
+        resolve_device(args.device)  # a device this machine lacks is a bad argument, not a failed check
     except ValueError as exc:
         print(f"meshctl: {exc}", file=sys.stderr)
         return 2
@@ -311,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gguf: the model as one GGUF file; llama.cpp on the whole file in one process is the "
                        "baseline, and meshes of both engines (llama.cpp ranges, torch) are measured")
     bench.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_k"],
-                       help="with --format gguf and a built-in model: the file's quantization (default q8_0)")
+                       help="with --format gguf and a built-in model: the file's quantization (default q8_0); "
+                            "a GGUF file given to --model is measured in its own")
     bench.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="the peers' dtype; the baseline runs transformers in the same dtype (default auto: "
                        "the checkpoint's); int8 also measures float32 in the same run (decode tok/s of one process "

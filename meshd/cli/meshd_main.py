@@ -12,7 +12,7 @@ import trio
 
 from meshd.cli.signals import run_until_signalled
 from meshd.daemon.config import DTYPE_CHOICES
-from meshd.errors import reportable
+from meshd.errors import MeshError, reportable
 from meshd.logs import FORMATS as LOG_FORMATS
 from meshd.logs import LEVELS as LOG_LEVELS
 from meshd.logs import RecentRecords, configure_logging
@@ -206,7 +206,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
         identity = Identity.load_or_create(data_dir)
         config.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(config, commented_toml(PeerConfig, INIT_HEADER, {"data_dir": str(data_dir)}))
-    except OSError as exc:
+    except (OSError, MeshError) as exc:  # MeshError: an identity key on disk that cannot be used
         print(f"meshd: {exc}", file=sys.stderr)
         return 1
     print(f"peer id {identity.peer_id}; identity in {data_dir}; settings in {config}")

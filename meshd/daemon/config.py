@@ -232,7 +232,8 @@ def _device(value: str) -> str:
 _CONVERTERS: dict[str, Any] = {
     "listen": _address, "advertise": _address, "api": _address, "control": _address, "metrics": _address,
     "data_dir": Path, "model": lambda v: Path(v) if v else None,
-    "ready_file": lambda v: Path(v) if v else None, "layers": parse_range,
+    "ready_file": lambda v: Path(v) if v else None, "draft_model": lambda v: Path(v) if v else None,
+    "layers": parse_range,
     "memory_budget": parse_size, "kv_budget": parse_size, "prefix_kv": parse_size, "kv_tier": parse_size,
     "card_budget": parse_size,
     "bootstrap": _addresses,

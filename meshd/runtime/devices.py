@@ -10,6 +10,12 @@ from __future__ import annotations
 import psutil
 import torch
 
+from meshd.errors import MeshError
+
+
+class DeviceUnavailable(MeshError, ValueError):
+    """The device asked for is unknown, or not on this machine: reported in one line, not as a bug."""
+
 
 def resolve_device(requested: str) -> str:
     """``auto`` -> ``cuda:0`` when CUDA is there, else ``mps`` when that is, else ``cpu``; a named
@@ -23,18 +29,18 @@ def resolve_device(requested: str) -> str:
     kind, _, index = requested.partition(":")
     if kind == "cpu" and not index:
         return "cpu"
-    if kind == "cuda":
+    if kind == "cuda" and (not index or index.isdigit()):
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: this machine has no CUDA device that torch can use")
+            raise DeviceUnavailable("--device cuda: this machine has no CUDA device that torch can use")
         n = int(index or 0)
         if not 0 <= n < torch.cuda.device_count():
-            raise ValueError(f"--device {requested}: there are {torch.cuda.device_count()} CUDA devices")
+            raise DeviceUnavailable(f"--device {requested}: there are {torch.cuda.device_count()} CUDA devices")
         return f"cuda:{n}"
     if kind == "mps" and not index:
         if not torch.backends.mps.is_available():
-            raise ValueError("--device mps: this machine has no MPS device")
+            raise DeviceUnavailable("--device mps: this machine has no MPS device")
         return "mps"
-    raise ValueError(f"unknown device {requested!r}; expected auto, cpu, cuda[:N] or mps")
+    raise DeviceUnavailable(f"unknown device {requested!r}; expected auto, cpu, cuda[:N] or mps")
 
 
 def device_memory_bytes(device: str) -> int:

@@ -32,14 +32,17 @@ Every setting is listed with its meaning and default, commented out: uncomment w
 then `meshctl service install` again or restart the service. docs/configuration.md has the same list."""
 
 
-def default_settings(program: str) -> str:
-    """The commented settings file a fresh install gets: every setting, none set."""
+def default_settings(program: str, data_dir: Path | None = None) -> str:
+    """The commented settings file a fresh install gets: every setting, none set (the data directory
+    is the service's ``--data-dir``, which a line here could not change)."""
     from meshd.settings import commented_toml
 
     if program == "meshd":
         from meshd.daemon.config import PeerConfig
 
-        return commented_toml(PeerConfig, SETTINGS_HEADER.format(program=program))
+        given = {"data_dir": f"the service gives it ({data_dir}) with --data-dir, which overrides this file; to "
+                             "change it, run `meshctl service install` again with --data-dir"} if data_dir else None
+        return commented_toml(PeerConfig, SETTINGS_HEADER.format(program=program), given_elsewhere=given)
     from meshd_relay.config import RelayConfig
 
     return commented_toml(RelayConfig, SETTINGS_HEADER.format(program=program))
@@ -246,7 +249,8 @@ class Installation:
 
     def install_plan(self) -> ServicePlan:
         plan = ServicePlan("install")
-        plan.actions.append(FileWrite(self.config_file, default_settings(self.program), 0o644, keep_existing=True))
+        plan.actions.append(FileWrite(self.config_file, default_settings(self.program, self.state_dir), 0o644,
+                                      keep_existing=True))
         plan.actions.append(FileWrite(self.service_file, self.render()))
         system_user = SYSTEM_USER[self.platform]
         needs_user = self.scope == "system" and self.program == "meshd"
