@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshd.audit.book import GUILTY_TO_EXCLUDE, AuditBook
+from meshd.audit.book import GUILTY_TO_EXCLUDE, MAX_ACCUSATIONS, AuditBook
 from meshd.audit.records import BadAccusation, check_accusation, sign_accusation
 from meshd.audit.verdict import Outcome, Replay, judge
 from meshd.identity import Identity
@@ -51,6 +51,19 @@ def test_a_peer_is_excluded_after_repeated_guilt_and_accusations_alone_do_nothin
     assert not book.is_excluded("C")
     assert book.of("C")["state"] == "accused" and book.of("C")["unconfirmed_accusations"] == 1  # type: ignore[index]
     assert signed in book.accusations()
+
+
+def test_accusers_are_kept_only_while_their_accusations_are():
+    """Throwaway identities accusing one peer cannot grow its record: an accuser goes with its
+    accusation, the oldest first."""
+    book = AuditBook("A")
+    accusers = [Identity.generate() for _ in range(MAX_ACCUSATIONS + 100)]
+    for liar in accusers:
+        assert book.heard(liar.peer_id, "C", sign_accusation(liar, "C", "m", "k", [1], [2], [3], 0))
+    record = book.of("C")
+    assert record is not None and len(record["accused_by"]) == MAX_ACCUSATIONS
+    assert set(record["accused_by"]) == {a.peer_id for a in accusers[-MAX_ACCUSATIONS:]}
+    assert len(book.accusations()) <= MAX_ACCUSATIONS
 
 
 def test_accusations_are_checked_before_they_count():

@@ -15,6 +15,7 @@ import trio
 from meshd.cards import sign_card
 from meshd.daemon.local_mesh import LocalMesh
 from meshd.identity import Identity
+from meshd.rpc import RpcFailed
 from meshd.rpc import call as rpc_call
 from meshd.session.messages import SEAM_PATH
 from meshd.transport import Transport
@@ -105,7 +106,8 @@ async def test_oversized_messages_and_headers_are_refused(private):
     async with Transport(Identity.generate()) as outsider:
         # an outsider may only ask to join: a request of more than 64 KiB is not even read
         big = rpb.PeerRequest(gossip=cpb.GossipMessage(cards=[cpb.SignedCard(card=b"x" * 200_000)]))
-        with pytest.raises(Exception):  # noqa: B017 - the reset surfaces as a transport error
+        # the stream is reset for its size (not refused for its sender: that would need reading it)
+        with pytest.raises(RpcFailed, match="FRAME_SIZE_ERROR"):
             await rpc_call(outsider, tail.peer_id, tail.listen, big, timeout=10)
         stream = await outsider.open_stream(tail.peer_id, tail.listen, SEAM_PATH, headers={"x-big": "a" * 32_768})
         with trio.fail_after(10), pytest.raises(Exception):  # noqa: B017 - the connection is closed

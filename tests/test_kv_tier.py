@@ -4,12 +4,14 @@ placement is stable."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
 from meshd.identity import Identity
 from meshd.kvtier.client import rendezvous
-from meshd.kvtier.snapshots import Expected, SnapshotRefused, decode_snapshot, encode_snapshot
+from meshd.kvtier.snapshots import Expected, SnapshotRefused, decode_snapshot, encode_snapshot, signed_bytes
 from meshd.kvtier.store import TierRefused, TierStore
 from meshd.runtime.prefix_kv import PrefixSnapshot, scoped_name
 from meshd.wire import kv_tier_pb2 as pb
@@ -130,6 +132,37 @@ def test_stale_half_uploads_are_dropped(small_chunks):
     other, other_chunks = encode_snapshot(snapshot(), expected(key=b"z" * 32), HOP)
     store.put(HOP.peer_id, puts(other, other_chunks)[0])
     assert store.summary()["pending"] == 1
+
+
+def empty_snapshot(key: bytes, chunks: int = 1) -> pb.KVSnapshot:
+    """A signed description of a one-position snapshot whose chunks are empty."""
+    empty = hashlib.sha256(b"").digest()
+    described = pb.KVSnapshot(key=key, model_id="m", compat_key="c", numerics="n", range_start=0, range_end=1,
+                              length=1, kv_heads=1, head_dim=1, dtype="float32", raw_bytes=8, raw_sha256=b"x",
+                              chunk_sha256=[empty] * chunks, publisher=HOP.peer_id, public_key=HOP.public_key)
+    described.signature = HOP.sign(signed_bytes(described))
+    return described
+
+
+def test_snapshots_of_empty_chunks_cannot_be_kept_without_bound():
+    """Each snapshot held costs its description and a fixed amount, not only its chunks' bytes: empty
+    chunks no longer make snapshots free to keep, complete or pending."""
+    store = TierStore(256 * 1024, clock=lambda: 0.0)
+    for i in range(2000):
+        store.put(HOP.peer_id, pb.KVPut(snapshot=empty_snapshot(i.to_bytes(4, "big")), index=0, data=b""))
+    summary = store.summary()
+    assert summary["evicted"] > 1500 and summary["snapshots"] < 256 and store.used_bytes <= store.max_bytes
+    assert summary["bytes"] == store.used_bytes  # the running count agrees with what is held
+    for i in range(2000):  # the first of two chunks: they stay pending, and past the bound are refused
+        try:
+            store.put(HOP.peer_id, pb.KVPut(snapshot=empty_snapshot(b"p" + i.to_bytes(4, "big"), 2), index=0,
+                                            data=b""))
+        except TierRefused as exc:
+            assert "full of snapshots still being put" in str(exc)
+            break
+    else:
+        raise AssertionError("pending snapshots were never refused")
+    assert store.used_bytes <= store.max_bytes
 
 
 def test_placement_is_stable_and_moves_only_a_leaving_peers_share():

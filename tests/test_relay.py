@@ -485,3 +485,27 @@ def test_relayed_seams_cost_their_measured_rtt():
     assert seam_ms(near, 0.8) == 0.8  # measured: the RTT already includes the relay path
     assert plan_route("m", [near, far], lambda p: None).hops[0].peer_id == "b"
     assert plan_route("m", [near, far], lambda p: {"a": 0.5, "b": 9.0}[p]).hops[0].peer_id == "a"
+
+
+async def test_dial_back_requests_are_rate_limited_per_peer_in_bounded_memory(monkeypatch):
+    from meshd.daemon import reachability
+    from meshd.daemon.config import PeerConfig
+    from meshd.daemon.reachability import DialbackRefused, Reachability
+    from meshd.wire import rpc_pb2 as rpb
+
+    class Dialer:
+        async def check_dialable(self, peer_id: str, address: object, timeout: float) -> str | None:
+            return None
+
+    monkeypatch.setattr(reachability, "DIALBACK_ASKERS_KEPT", 50)
+    helper = Reachability(PeerConfig(reachability="direct"), Dialer(), Identity.generate(),  # type: ignore[arg-type]
+                          lambda: "127.0.0.1:7700", lambda: None)
+    ask = rpb.DialbackRequest(address="127.0.0.1:7799")
+    assert (await helper.serve_dialback("first", ask)).dialable
+    with pytest.raises(DialbackRefused, match="too often"):
+        await helper.serve_dialback("first", ask)
+    for i in range(500):  # throwaway identities: their times are remembered, the latest 50
+        await helper.serve_dialback(f"asker-{i}", ask)
+    assert len(helper._asked_at) == 50
+    with pytest.raises(DialbackRefused, match="too often"):
+        await helper.serve_dialback("asker-499", ask)

@@ -64,6 +64,11 @@ class AuditBook:
         key = (accuser, accused)
         if key in self._accusations or accused == self.self_id:
             return False
+        if len(self._accusations) >= MAX_ACCUSATIONS:  # the oldest goes, and its accuser with it
+            old_accuser, old_accused = next(iter(self._accusations))
+            old = self._peers.get(old_accused)
+            if old is not None:
+                old.accused_by.discard(old_accuser)
         remember(self._accusations, key, signed, MAX_ACCUSATIONS)
         self._record(accused).accused_by.add(accuser)
         return True

@@ -30,6 +30,7 @@ from meshd.address import Address, AddressError
 from meshd.daemon.config import PeerConfig
 from meshd.errors import ErrorCode, MeshError
 from meshd.identity import Identity
+from meshd.limits import remember
 from meshd.rpc import RpcFailed, call
 from meshd.transport import StreamHandler, Transport
 from meshd.transport.relay import RelayRegistration
@@ -41,6 +42,7 @@ log = logging.getLogger("meshd.reachability")
 DIALBACK_HELPERS = 3
 DIALBACK_TIMEOUT_S = 5.0
 DIALBACK_MIN_INTERVAL_S = 2.0  # per asking peer: a helper is not a free port scanner
+DIALBACK_ASKERS_KEPT = 4096  # peers whose last dial-back request is remembered, the latest
 FIRST_CHECK_DELAY_S = 0.5
 
 Helpers = Callable[[], list[tuple[str, str]]]  # (peer id, address) of live peers that can be asked
@@ -162,6 +164,6 @@ class Reachability:
         now = time.monotonic()
         if now - self._asked_at.get(sender, -DIALBACK_MIN_INTERVAL_S) < DIALBACK_MIN_INTERVAL_S:
             raise DialbackRefused("dial-back asked too often")
-        self._asked_at[sender] = now
+        remember(self._asked_at, sender, now, DIALBACK_ASKERS_KEPT)
         error = await self.transport.check_dialable(sender, address, timeout=DIALBACK_TIMEOUT_S)
         return rpb.DialbackReply(dialable=error is None, error=error or "")

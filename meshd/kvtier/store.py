@@ -20,6 +20,7 @@ from meshd.kvtier.snapshots import SnapshotRefused, check_chunk, check_descripti
 from meshd.wire import kv_tier_pb2 as pb
 
 PENDING_S = 60.0
+ENTRY_BYTES = 1024  # what keeping a snapshot costs beyond its description and chunks, counted as its bytes
 
 TierKey = tuple[bytes, str, int, int]  # (scoped name, compat key, range start, range end)
 
@@ -32,6 +33,9 @@ class TierRefused(MeshError):
 
 @dataclass
 class _Entry:
+    """A snapshot held: its bytes count its description and a fixed cost too, so that snapshots of
+    empty chunks cannot be kept without bound."""
+
     snapshot: pb.KVSnapshot
     chunks: list[bytes | None]
     nbytes: int = 0
@@ -40,6 +44,7 @@ class _Entry:
 
     def __post_init__(self) -> None:
         self.missing = sum(1 for c in self.chunks if c is None)
+        self.nbytes += ENTRY_BYTES + self.snapshot.ByteSize() + 8 * len(self.chunks)
 
 
 def tier_key(snapshot: pb.KVSnapshot) -> TierKey:
@@ -54,6 +59,7 @@ class TierStore:
         self._clock = clock
         self._complete: OrderedDict[TierKey, _Entry] = OrderedDict()
         self._pending: dict[TierKey, _Entry] = {}
+        self._used = 0  # the bytes of every entry held, complete or pending
         self.puts = 0
         self.gets = 0
         self.misses = 0
@@ -62,7 +68,18 @@ class TierStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(e.nbytes for e in self._complete.values()) + sum(e.nbytes for e in self._pending.values())
+        return self._used
+
+    def _drop_pending(self, key: TierKey) -> None:
+        self._used -= self._pending.pop(key).nbytes
+
+    def _drop_complete(self, key: TierKey | None = None) -> None:
+        """Drop ``key``, or the least recently used snapshot."""
+        if key is None:
+            _key, entry = self._complete.popitem(last=False)
+        else:
+            entry = self._complete.pop(key)
+        self._used -= entry.nbytes
 
     def put(self, sender: str, put: pb.KVPut) -> None:
         """Keep one chunk from ``sender``; the snapshot is served once its last chunk is in."""
@@ -81,27 +98,32 @@ class TierStore:
         entry = self._pending.get(key)
         if entry is None or entry.snapshot.SerializeToString(deterministic=True) != snapshot.SerializeToString(
                 deterministic=True):
+            if entry is not None:
+                self._drop_pending(key)
             entry = self._pending[key] = _Entry(snapshot, [None] * len(snapshot.chunk_sha256))
+            self._used += entry.nbytes
         if entry.chunks[put.index] is None:
             entry.chunks[put.index] = put.data
             entry.nbytes += len(put.data)
+            self._used += len(put.data)
             entry.missing -= 1
         entry.touched = self._clock()
         self.puts += 1
         if entry.nbytes > self.max_bytes:
-            del self._pending[key]
+            self._drop_pending(key)
             self.refused += 1
             raise TierRefused(f"the snapshot is larger than this tier's {self.max_bytes} bytes")
-        while self.used_bytes > self.max_bytes and self._complete:
-            self._complete.popitem(last=False)
+        while self._used > self.max_bytes and self._complete:
+            self._drop_complete()
             self.evicted += 1
-        if self.used_bytes > self.max_bytes:
-            del self._pending[key]
+        if self._used > self.max_bytes:
+            self._drop_pending(key)
             self.refused += 1
             raise TierRefused("this tier is full of snapshots still being put")
         if entry.missing == 0:
-            del self._pending[key]
-            self._complete.pop(key, None)
+            del self._pending[key]  # its bytes stay counted: it moves to the complete ones
+            if key in self._complete:
+                self._drop_complete(key)
             self._complete[key] = entry
 
     def get(self, get: pb.KVGet) -> pb.KVChunk | None:
@@ -120,7 +142,7 @@ class TierStore:
     def _expire(self) -> None:
         now = self._clock()
         for key in [k for k, e in self._pending.items() if now - e.touched > PENDING_S]:
-            del self._pending[key]
+            self._drop_pending(key)
 
     def summary(self) -> dict[str, object]:
         return {"snapshots": len(self._complete), "pending": len(self._pending), "bytes": self.used_bytes,
