@@ -144,10 +144,12 @@ class InProcessMesh:
 
     async def generate(self, prompt: list[int], n: int, sampling: Sampling | None = None,
                        on_token: Callable[[int], Awaitable[None]] | None = None,
-                       session_id: str = "s1", speculation: Speculation | None = None) -> list[int]:
+                       session_id: str = "s1", speculation: Speculation | None = None,
+                       vocab_size: int | None = None) -> list[int]:
         """Run one generation through the entry; ``on_token(count)`` runs after each token."""
         gen = Generation(session_id=session_id, model_id=self.info.model_id, prompt=prompt, max_new_tokens=n,
-                         sampling=sampling or Sampling(), stop_token_ids=frozenset(), speculation=speculation)
+                         sampling=sampling or Sampling(), stop_token_ids=frozenset(), speculation=speculation,
+                         vocab_size=vocab_size)
         first = await self.routes.route_for(gen.model_id)
         tokens: list[int] = []
         stream = self.entry.generate(gen, first)

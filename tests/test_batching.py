@@ -1028,3 +1028,23 @@ async def test_a_hold_ends_when_the_session_waited_for_ends(autojump_clock):
         batcher.forget("b", 0)
     assert [sorted(call) for call in rec.calls[:2]] == [["a", "b"]] * 2
     assert rec.calls[2:] == [["a"]] and results[-1][3] == 500
+
+
+async def test_a_refused_step_teaches_the_cost_tables_nothing(autojump_clock):
+    """A bundle the shard refused computed nothing, though the call that refused it took time: a huge
+    one would otherwise record an absurd rate, which the card then claims and routing believes."""
+    rec = _Recorder(delay=0.001)
+    batcher = StepBatcher(rec.batch, rec.one, run_prefill=rec.prefill)
+
+    async def refused(bundle: HiddenStateBundle) -> None:
+        with pytest.raises(ValueError, match="bad"):
+            await batcher.submit(bundle)
+
+    await refused(_bundle("bad-p", Phase.PREFILL, 0, 4_000_000_000))
+    async with trio.open_nursery() as nursery:  # two at once: one batch, each refused
+        nursery.start_soon(refused, _bundle("bad-1", Phase.DECODE, 5, 1))
+        nursery.start_soon(refused, _bundle("bad-2", Phase.DECODE, 5, 1))
+    assert ["bad-1", "bad-2"] in [sorted(c) for c in rec.calls]
+    assert batcher.costs.prefill_tok_s() is None and batcher.costs.decode_s(2) is None
+    await batcher.submit(_bundle("good", Phase.PREFILL, 0, 64))
+    assert batcher.costs.prefill_tok_s() == pytest.approx(64 / 0.001)

@@ -7,14 +7,19 @@ generation run undisturbed in one process.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import trio
 
+from meshd.errors import ErrorCode
 from meshd.runtime.chain import LocalChain
 from meshd.runtime.shard import Shard
-from meshd.session.hop_state import RESUME_GRACE_S, AdmissionLimits
+from meshd.session import messages as m
+from meshd.session.hop_state import RESUME_GRACE_S, AdmissionLimits, Compute
 from meshd.session.repair import AllRefused, RepairFailed
 from meshd.tracker.routing import NoRouteError
+from meshd.wire import session_pb2 as spb
 from meshd.wire.bundle import Sampling
 from tests.helpers import PROMPT
 from tests.inprocess import entry_config, in_process_mesh
@@ -284,3 +289,81 @@ async def test_a_repair_stays_with_peers_that_compute_as_the_route_did(tiny_mode
         assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
         assert mesh.hops["other"].service.stats.sessions_served == 0
         assert mesh.hops["back"].service.stats.sessions_served == 1
+
+
+@pytest.mark.parametrize("bad", [10**6, -1])
+async def test_a_tail_sending_a_token_the_model_has_not_is_blamed_and_routed_around(
+        tiny_model, reference, autojump_clock, bad):
+    """Taken, the token would reach the client and every later prefill of the session, and the head
+    would be blamed for refusing it on each route in turn."""
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, spares = await three_hops(mesh, replicas=(2,))
+        shard = hops[2].host.shard
+        honest, lied = shard._sampled, []
+
+        def lying(logits, sampling, position):
+            result = honest(logits, sampling, position)
+            if not lied and position == len(PROMPT) + 3:
+                lied.append(position)
+                result.token = bad
+            return result
+
+        shard._sampled = lying
+        vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+        assert await mesh.generate(PROMPT, N, vocab_size=vocab) == reference["greedy"]
+        assert lied and mesh.routes.unreachable == [hops[2].peer_id]
+        assert spares[0].service.stats.sessions_served == 1
+
+
+async def test_an_error_blaming_a_peer_off_the_route_is_blamed_on_its_reporter(tiny_model, reference,
+                                                                              autojump_clock):
+    """Errors are relayed up the route unsigned: which hop of the chain forged one cannot be told, but
+    a peer off the route cannot be made to take the blame (here the head, which relayed it, does)."""
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _spares = await three_hops(mesh, replicas=(0,))
+        bystander = await mesh.add_hop("bystander", (1, 3), compat_key="other-class")  # never on the route
+        tail, failed = hops[2], []
+        honest = tail.service._perform
+
+        async def failing(session, actions, downstream):
+            if not failed and any(isinstance(a, Compute) and a.bundle.start_position > len(PROMPT) + 2
+                                  for a in actions):
+                failed.append(True)
+                raise RuntimeError("boom")
+            return await honest(session, actions, downstream)
+
+        tail.service._perform = failing
+        tail.service._failed = lambda key, exc: m.error_msg(ErrorCode.RANGE_MISMATCH, "forged", bystander.peer_id)
+        assert await mesh.generate(PROMPT, N) == reference["greedy"]
+        assert failed and bystander.peer_id not in mesh.routes.demoted
+        assert bystander.peer_id not in mesh.routes.unreachable
+        assert list(mesh.routes.demoted) == [hops[0].peer_id]
+
+
+async def test_only_the_entry_may_open_a_sessions_results_stream_and_only_once(tiny_model, reference,
+                                                                              autojump_clock):
+    async with in_process_mesh(tiny_model) as mesh:
+        hops, _ = await three_hops(mesh)
+        answers: dict[str, list[str]] = {}
+
+        async def take_results(who: str, claimed_entry: str) -> None:
+            (session_id, epoch), = hops[2].service.live.keys()
+            addresses = [spb.HopAddress(peer_id=h.peer_id, address=h.address, range_start=h.layers[0],
+                                        range_end=h.layers[1]) for h in hops]
+            opened = spb.SessionOpen(session_id=session_id, epoch=epoch, model_id=mesh.info.model_id,
+                                     compat_key=mesh.info.compat_key, hops=addresses, hop_index=2,
+                                     entry_peer_id=claimed_entry)
+            peer = mesh.network.join(who, f"{who}.test:1", lambda s: s.reset(), mesh.nursery)
+            stream = await peer.open_stream(hops[2].peer_id, hops[2].address, m.RESULTS_PATH)
+            await stream.send_message(m.open_msg(opened))
+            got = answers.setdefault(who, [])
+            while (raw := await stream.receive_message()) is not None:
+                got.append(m.parse(raw).WhichOneof("kind"))
+
+        async def disturb(count: int) -> None:
+            if count == 3:  # a peer that learnt the session's id, posing as itself and as the entry
+                mesh.nursery.start_soon(take_results, "mallory", "mallory")
+                mesh.nursery.start_soon(take_results, "mallet", "entry")
+
+        assert await mesh.generate(PROMPT, N, on_token=disturb) == reference["greedy"]
+        assert answers == {"mallory": ["error"], "mallet": ["error"]}

@@ -162,10 +162,12 @@ async def test_a_route_of_the_entry_alone_guesses_nothing(tiny_model, reference,
     """No link is crossed, so guesses would only cost compute; a route with another hop guesses."""
     async with in_process_mesh(tiny_model) as mesh:
         solo = await mesh.add_hop("solo", (0, 4))
-        mesh.entry.peer_id = solo.peer_id  # the entry holds the whole model itself
+        entry_id, entry_opener = mesh.entry.peer_id, mesh.entry.opener
+        # the entry holds the whole model itself: it is that peer, and its streams come from it
+        mesh.entry.peer_id, mesh.entry.opener = solo.peer_id, solo.service.opener
         spec = _speculation(Scripted(reference["greedy"]))
         assert await mesh.generate(PROMPT, N, speculation=spec) == reference["greedy"]
         assert spec.stats.drafted == 0 and _steps(solo) == N - 1
-        mesh.entry.peer_id = "elsewhere"
+        mesh.entry.peer_id, mesh.entry.opener = entry_id, entry_opener
         assert await mesh.generate(PROMPT, N, speculation=spec, session_id="s2") == reference["greedy"]
         assert spec.stats.drafted > 0

@@ -87,3 +87,13 @@ def test_multi_byte_characters_stream_whole(tiny_model):
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert any(p == "" for p in pieces)  # some bytes were held back until their character was complete
+
+
+def test_the_codec_knows_the_models_vocabulary_from_its_config(tiny_model, tmp_path):
+    import json as _json
+
+    assert TextCodec.load(tiny_model).vocab_size == _json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    copy = tmp_path / "no-config"
+    shutil.copytree(tiny_model, copy)
+    (copy / "config.json").unlink()
+    assert TextCodec.load(copy).vocab_size is None  # unknown: the entry then refuses only negative ids

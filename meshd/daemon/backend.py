@@ -132,7 +132,8 @@ class MeshBackend:
         gen = Generation(session_id=req.request_id, model_id=req.model, prompt=prompt, max_new_tokens=max_new,
                          sampling=Sampling(temperature=req.temperature, top_p=req.top_p, seed=seed % (1 << 63),
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs),
-                         stop_token_ids=stops, speculation=sessions.speculation(req.model, codec.tokenizer),
+                         stop_token_ids=stops, vocab_size=codec.vocab_size,
+                         speculation=sessions.speculation(req.model, codec.tokenizer),
                          prefixes=sessions.prompt_prefixes(
                              prompt, await trio.to_thread.run_sync(_boundaries, codec, req, prompt,
                                                                    limiter=self.tokenizing),

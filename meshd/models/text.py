@@ -53,9 +53,10 @@ class ToolCall:
 
 
 class TextCodec:
-    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int], vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
+        self.vocab_size = vocab_size  # the model's token ids (its config's, which may pass the tokenizer's)
         template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
         self.has_chat_template = bool(template)
         self.tool_format: ToolFormat | None = None
@@ -74,7 +75,7 @@ class TextCodec:
         if generation.is_file():
             eos = json.loads(generation.read_text()).get("eos_token_id")
             stops.update(int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
-        return cls(tokenizer, frozenset(stops))
+        return cls(tokenizer, frozenset(stops), _vocab_size(Path(directory) / "config.json"))
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True, "return_dict": True}
@@ -206,3 +207,17 @@ def _for_template(message: dict[str, Any]) -> dict[str, Any]:
                 function["arguments"] = json.loads(arguments)
         out["tool_calls"].append({**call, "function": function})
     return out
+
+
+def _vocab_size(config: Path) -> int | None:
+    """The model's vocabulary size from its ``config.json`` (or its text model's, for a multimodal
+    one); None when the file does not say."""
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (doc, doc.get("text_config") if isinstance(doc, dict) else None):
+        size = part.get("vocab_size") if isinstance(part, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None

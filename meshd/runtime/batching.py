@@ -609,12 +609,17 @@ class StepBatcher:
             for step in steps:
                 step.finish(exc)
             raise
+        # a step refused (its bundle did not fit the shard) computed nothing: its rows would teach the
+        # cost tables, and the speed the card claims, a rate nothing ran at
+        computed = all(not isinstance(o, BaseException) for o in outcomes)
         if steps[0].batchable:
             self.stats.decode_compute_s += compute_s
-            self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
+            if computed:
+                self.costs.observe_decode(sum(s.rows for s in steps), compute_s)
         else:
             self.stats.prefill_compute_s += compute_s
-            self.costs.observe_prefill(sum(s.rows for s in steps), compute_s)
+            if computed:
+                self.costs.observe_prefill(sum(s.rows for s in steps), compute_s)
             if self._run_prefill is None:  # a chunk computed whole stalls decode for all of it
                 self.stats.longest_slice_s = max(self.stats.longest_slice_s, compute_s)
         for step, outcome in zip(steps, outcomes, strict=True):

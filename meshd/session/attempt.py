@@ -13,6 +13,7 @@ there is one, so that the repair policy can route around it. The Trio adapter is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -56,6 +57,7 @@ class SessionPlan:
     # per hop: the prefill worker that computed the longest known prefix for its layers, and that
     # worker's upstream peer ("" and "": none); the hop imports the prefix from there when it lacks it
     prefix_sources: Sequence[tuple[str, str]] = ()
+    vocab_size: int | None = None  # token ids the model has (None: unknown, only negative ids are refused)
 
 
 @dataclass
@@ -201,7 +203,7 @@ class EntryAttempt:
 
     def on_results_open(self, message: pb.SeamMessage, now: float) -> None:
         """The tail's first answer on the results stream: ready, or why not."""
-        self._raise_if_error(message)
+        self._raise_if_error(message, self.tail.peer_id)
         if message.WhichOneof("kind") != "ready":
             raise SessionFailed(ErrorCode.PROTOCOL, f"the tail answered {message.WhichOneof('kind')!r}, not ready",
                                 self.tail.peer_id)
@@ -216,7 +218,7 @@ class EntryAttempt:
         if isinstance(event, StreamBroken):
             raise SessionFailed(event.code, f"the {event.source} stream: {event.reason}", event.peer_id)
         message = event.message
-        self._raise_if_error(message)
+        self._raise_if_error(message, event.peer_id)
         if event.source != Source.RESULTS or message.WhichOneof("kind") != "token":
             raise SessionFailed(ErrorCode.PROTOCOL, f"unexpected {message.WhichOneof('kind')!r} on the "
                                 f"{event.source} stream", event.peer_id)
@@ -232,6 +234,7 @@ class EntryAttempt:
         if result.position != self.position:
             raise SessionFailed(ErrorCode.PROTOCOL, f"expected the token for position {self.position}, got "
                                 f"{result.position}", self.tail.peer_id)
+        self._check_token(result)
         token = int(result.token)
         generated = GeneratedToken(token, result.logprob if result.has_logprob else None,
                                    tuple((int(t.token), float(t.logprob)) for t in result.top))
@@ -258,6 +261,23 @@ class EntryAttempt:
         # the token goes back into the route before it goes to the client, so that the client's work
         # on it (detokenizing, streaming) overlaps the next step's compute instead of delaying it
         return [*self._step([], now), Emit(generated)]
+
+    def _check_token(self, result: pb.TokenResult) -> None:
+        """A token the tail could not have sampled is the tail's fault: taken, it would go to the client
+        and into every later prefill of the session, and the head would be blamed for refusing it."""
+        vocab, sampling = self.plan.vocab_size, self.plan.sampling
+        ids = [result.token, *(t.token for t in result.top)]
+        if any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
+            raise SessionFailed(ErrorCode.PROTOCOL, f"the tail sent token id {max(ids, key=abs)}, outside the "
+                                f"model's {vocab if vocab is not None else 'non-negative'} ids", self.tail.peer_id)
+        if len(result.top) > sampling.top_logprobs or result.has_logprob != sampling.logprobs:
+            raise SessionFailed(ErrorCode.PROTOCOL, f"the tail sent {len(result.top)} top log-probabilities "
+                                f"(logprob {'with' if result.has_logprob else 'without'} one) where the session "
+                                f"asked for {sampling.top_logprobs}", self.tail.peer_id)
+        logprobs = [result.logprob, *(t.logprob for t in result.top)] if result.has_logprob else []
+        if any(math.isnan(p) or p == math.inf for p in logprobs):
+            raise SessionFailed(ErrorCode.PROTOCOL, "the tail sent a log-probability that is not one",
+                                self.tail.peer_id)
 
     def on_drafted(self, tokens: Sequence[int], k: int, now: float) -> list[EntryAction]:
         """The drafter's guesses for the step asked with :class:`Draft`: send the step."""
@@ -304,9 +324,13 @@ class EntryAttempt:
         return list(input_bundles(self.plan.session_id, self.plan.route.epoch, tokens, position,
                                   self.plan.chunk_tokens, head, self.plan.sampling, step=step, draft=draft))
 
-    @staticmethod
-    def _raise_if_error(message: pb.SeamMessage) -> None:
-        """An error from a hop names the peer at fault (the hop that failed, or its next hop)."""
+    def _raise_if_error(self, message: pb.SeamMessage, reporter: str) -> None:
+        """An error from a hop names the peer at fault (the hop that failed, or its next hop), relayed up
+        the route to the stream ``reporter`` is on. Only a peer of the route from ``reporter`` on can be
+        at fault in its report: one naming any other peer is blamed on ``reporter`` itself."""
         if message.WhichOneof("kind") == "error":
             error = message.error
-            raise SessionFailed(ErrorCode.parse(error.code), error.message, error.peer_id)
+            hops = [h.peer_id for h in self.plan.route.hops]
+            named = hops[hops.index(reporter):] if reporter in hops else []
+            blamed = error.peer_id if error.peer_id in named else reporter
+            raise SessionFailed(ErrorCode.parse(error.code), error.message, blamed)

@@ -288,6 +288,7 @@ class Generation:
     stop_token_ids: frozenset[int]  # tokens that end the reply
     speculation: Speculation | None = None  # how the entry guesses ahead; None: a token per step
     prefixes: PromptPrefixes | None = None  # the prompt's prefill cuts and kept prefixes (None: no reuse)
+    vocab_size: int | None = None  # token ids the model has: the tail's tokens are checked against it
 
 
 @dataclass
@@ -458,7 +459,7 @@ class EntrySessions:
                 step_timeout_s=cfg.step_timeout_s, unchanged_prefix=unchanged, resume_from_epoch=resume_from,
                 # a route of this peer alone crosses no link: guesses there only cost compute
                 speculation=None if all(h.peer_id == self.peer_id for h in route.hops) else gen.speculation,
-                prefixes=gen.prefixes,
+                prefixes=gen.prefixes, vocab_size=gen.vocab_size,
                 # a resumed route passes its kept KV on from position 0; it does not start from a prefix
                 known_prefixes=self.prefix_map.known(gen.prefixes)
                 if gen.prefixes is not None and cfg.prefix_reuse and not unchanged else (),

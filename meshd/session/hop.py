@@ -219,6 +219,12 @@ class HopService:
             await m.end_quietly(stream)
             return
         key = (open_.session_id, open_.epoch)
+        refusal = ("only the session's entry opens its results stream" if stream.peer_id != open_.entry_peer_id
+                   else "this session's results stream is open already" if key in self._sinks else None)
+        if refusal is not None:  # a peer that learnt the session's id must not take its tokens
+            await _send_quietly(stream, m.error_msg(ErrorCode.PROTOCOL, refusal, self.peer_id))
+            await m.end_quietly(stream)
+            return
         self._sinks[key] = stream
         self._sink_ready.setdefault(key, trio.Event()).set()
         try:
