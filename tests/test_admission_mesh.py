@@ -3,9 +3,12 @@ and revoked members are refused, logged and counted, while members keep being se
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import trio
@@ -115,3 +118,20 @@ async def test_a_revoked_member_is_dropped_everywhere_and_refused(mesh):
         assert refused.value.code.value == "not_member" and "revoked" in str(refused.value)
     assert "revoked from mesh" in member.log_path.read_text()
     assert api_chat(member) == api_chat(founder)
+
+
+def test_bad_control_requests_are_400_and_sign_nothing(mesh):
+    """Bodies the control API cannot read, numbers no int holds, and a peer id that is not one are
+    refused in a clear 400: a typo must not sign a lasting revocation of nobody."""
+    founder = mesh.peers[0]
+    before = founder.get("/status")["admission"]
+    for path, body in (("/invite", b'{"uses": 1e999}'), ("/invite", b"[" * 100_000 + b"]" * 100_000),
+                       ("/revoke", b"[" * 100_000 + b"]" * 100_000),
+                       ("/revoke", b'{"peer_id": "NOT-A-PEER-ID-0123456789ABCDEFGH"}')):
+        request = urllib.request.Request(f"http://{founder.control}{path}", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400, (path, body[:40])
+        assert json.loads(refused.value.read())["error"]
+    assert founder.get("/status")["admission"] == before

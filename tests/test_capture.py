@@ -191,6 +191,61 @@ def test_a_validated_request_turns_back_into_a_body_that_parses_the_same():
     assert parse_completion(request_body(completion), "b").generation == completion
 
 
+def test_records_holding_values_no_record_holds_are_refused(tmp_path):
+    key = CaptureKey.load_or_create(tmp_path)
+    good = build_record(_observed(_request()), "full", key, "e" * 32)
+    assert good is not None
+    for change in ({"sampling": {**good["sampling"], "temperature": 10**400}},  # no float holds it
+                   {"reply": {**good["reply"], "tokens": [11, -1, 13]}},
+                   {"max_new_tokens": 2**70}):
+        with pytest.raises(CaptureFormatError):
+            CapturedRequest.from_json({**good, **change})
+
+
+def test_a_line_nested_too_deeply_is_skipped_with_the_rest_kept(tmp_path):
+    clock = Clock()
+    directory = tmp_path / "c"
+    store = CaptureStore(directory, Retention(100, 10**9, 10**6), clock=clock)
+    store.append(_record(0, clock))
+    store.close()
+    segment = sorted(directory.glob("capture-*.jsonl"))[-1]
+    with segment.open("ab") as f:
+        f.write(b"[" * 200_000 + b"]" * 200_000 + b"\n")
+    store = CaptureStore(directory, Retention(100, 10**9, 10**6), clock=clock)  # opens as the daemon does
+    store.append(_record(2, clock))
+    read = read_capture(directory)
+    assert [r["id"] for r in read.records] == ["r0", "r2"]
+    assert len(read.warnings) == 1 and "not a JSON record" in read.warnings[0]
+
+
+def test_a_write_the_disk_cuts_short_costs_that_record_only(tmp_path, monkeypatch):
+    import errno
+
+    from meshd.capture import store as store_module
+
+    clock = Clock()
+    directory = tmp_path / "c"
+    store = CaptureStore(directory, Retention(100, 10**9, 10**6), clock=clock)
+    store.append(_record(1, clock))
+    real_write, failed = os.write, []
+
+    def half_then_full(fd: int, data) -> int:
+        if not failed:  # half the record goes out, then the disk is full
+            failed.append(True)
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(store_module.os, "write", half_then_full)
+    with pytest.raises(OSError):
+        store.append(_record(2, clock))
+    store.append(_record(3, clock))
+    store.append(_record(4, clock))
+    read = read_capture(directory)
+    assert [r["id"] for r in read.records] == ["r1", "r3", "r4"] and not read.warnings
+    assert store.records == 3
+
+
 def test_records_of_another_version_or_shape_are_refused():
     with pytest.raises(CaptureFormatError, match="version"):
         CapturedRequest.from_json({"v": 99})

@@ -172,6 +172,9 @@ def test_ordinary_mistakes_are_one_line_not_a_traceback(tmp_path):
     _one_line(meshctl("demo", "--model", str(tmp_path / "absent")), 2, "is not a model directory")
     run = meshctl("logs", "-n", "0")
     assert run.returncode == 2 and "at least 1, not 0" in run.stderr
+    for bad in (["--seconds", "0"], ["--seconds", "nan"], ["--latency-ms", "-10"]):
+        run = meshctl("sim", "--peers", "2", *bad)
+        assert run.returncode == 2 and "a positive number" in run.stderr, (bad, run.stderr)
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "identity.key").write_text("not a key\n")
     (tmp_path / "state" / "identity.key").chmod(0o600)

@@ -107,6 +107,8 @@ def test_a_parity_request_is_checked_field_by_field():
     for body, says in [({"prompt": "hi"}, "model"), ({"model": "tiny"}, "prompt"),
                        ({"model": "tiny", "prompt": "hi", "decode_steps": 33}, "decode_steps"),
                        ({"model": "tiny", "prompt": "hi", "tolerance": -1}, "tolerance"),
+                       ({"model": "tiny", "prompt": "hi", "tolerance": 10**400}, "tolerance"),
+                       ({"model": "tiny", "prompt": "hi", "tolerance": float("nan")}, "tolerance"),
                        ({"model": "tiny", "prompt": "hi", "layers": "yes"}, "layers"),
                        ({"model": "tiny", "prompt": "hi", "route": ["a"]}, "route"),
                        ({"model": "tiny", "prompt": "hi", "colour": 1}, "unknown fields: colour"), ([], "object")]:

@@ -345,11 +345,12 @@ class CapturedRequest:
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise CaptureFormatError(f"capture record {doc.get('id', '?')!r} lacks {exc}") from None
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # OverflowError: a number no float holds
             raise CaptureFormatError(f"capture record {doc.get('id', '?')!r}: {exc}") from None
 
 
 def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CaptureFormatError(f"{value!r} is not a whole number")
+    """A whole number a record may hold: no token id, count or time is negative or past 64 bits."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise CaptureFormatError(f"{str(value)[:40]!r} is not a whole number from 0 to 2^64")
     return value

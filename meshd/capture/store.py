@@ -12,6 +12,7 @@ a full capture holds people's prompts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -135,9 +136,15 @@ class CaptureStore:
         segment = self._segment_for(len(line), time_ms)
         fd = self._open(segment)
         view = memoryview(line)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        try:
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        except OSError:
+            # a record cut short would run into the next one and take it too: cut it off again
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, segment.bytes)
+            raise
         segment.records += 1
         segment.bytes += len(line)
         segment.first_ms = time_ms if segment.first_ms is None else segment.first_ms
@@ -240,7 +247,7 @@ def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]
         last = number == len(lines)
         try:
             doc = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past what the parser's stack holds
             doc = None
         if not isinstance(doc, dict) or (last and torn_tail):
             what = "a torn last line (the daemon stopped mid-write)" if last else "not a JSON record"

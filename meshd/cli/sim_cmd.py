@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,6 +32,16 @@ def _sizes(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a positive number, not {text!r}")
+    return value
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from meshd.sim.scenarios import simulate
 
@@ -40,9 +51,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, json.dumps(report, indent=2) + "\n")
+    converged = all(r["converged"] for r in report["runs"])
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return 0 if converged else 1
     rows = []
     for r in report["runs"]:
         b = r.get("bytes_per_peer_s", {})
@@ -55,7 +67,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     print_table(rows, ["PEERS", "LOSS", "JOIN S", "ROUNDS", "B/PEER/S", "MAX", "FALSE DEAD", "TRACKER CHANGES",
                   "PARTITION TRACKERS"])
     print(f"report: {out}")
-    return 0 if all(r["converged"] for r in report["runs"]) else 1
+    return 0 if converged else 1
 
 
 def add_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,9 +82,9 @@ def add_sim_parser(sub: argparse._SubParsersAction) -> None:
                      help="mesh sizes (default 100,300,1000)")
     sim.add_argument("--loss", type=_float_list, default=(0.0, 0.05), metavar="LIST",
                      help="message loss rates (default 0,0.05)")
-    sim.add_argument("--seconds", type=float, default=10.0, metavar="S",
+    sim.add_argument("--seconds", type=_positive, default=10.0, metavar="S",
                      help="simulated seconds of steady running measured after converging (default 10)")
-    sim.add_argument("--latency-ms", type=float, default=10.0, metavar="MS",
+    sim.add_argument("--latency-ms", type=_positive, default=10.0, metavar="MS",
                      help="one-way latency of every link, plus up to half of it as jitter (default 10)")
     sim.add_argument("--seed", type=int, default=1, help="seed of the run (default 1): a run is reproducible")
     sim.add_argument("--no-partition", action="store_true", help="skip the partition scenario")

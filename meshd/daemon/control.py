@@ -90,8 +90,8 @@ def build_control_app(peer: Peer) -> Starlette:
     async def body_of(request: Request) -> dict:
         try:
             doc = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise ValueError("the body is not JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: nested past what the parser's stack holds
+            raise ValueError("the body is not JSON this daemon can read") from None
         if not isinstance(doc, dict):
             raise ValueError("the body is a JSON object")
         return doc
@@ -103,7 +103,7 @@ def build_control_app(peer: Peer) -> Starlette:
             token, expires_at_ms = peer.membership.issue_invite(expires_s, uses, peer.invite_addresses())
         except NotAdmitter as exc:
             return JSONResponse({"error": str(exc)}, status_code=403)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: uses of 1e999
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"token": token, "mesh": peer.membership.mesh, "expires_at_ms": expires_at_ms,
                              "uses": uses})

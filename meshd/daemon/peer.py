@@ -42,7 +42,7 @@ from meshd.daemon.status import peer_status
 from meshd.errors import MeshError, ModelFormatError
 from meshd.files import write_atomically
 from meshd.identity import Identity
-from meshd.identity.keys import IdentityError
+from meshd.identity.keys import IdentityError, is_peer_id
 from meshd.identity.private_files import PrivateFileError
 from meshd.kvtier.client import TierClient
 from meshd.kvtier.snapshots import Expected
@@ -479,8 +479,11 @@ class Peer:
         return self.reachability.direct_addresses() or [self.bound.advertise]
 
     def known_peer(self, prefix: str) -> str:
-        """The one peer id known here that starts with ``prefix`` (a full id need not be known)."""
+        """The one peer id known here that starts with ``prefix`` (a full id need not be known, but must
+        be one: a typo must not sign a lasting revocation of nobody)."""
         if len(prefix) == 32:
+            if not is_peer_id(prefix):
+                raise ValueError(f"{prefix!r} is not a peer id (32 characters of a-z and 2-7)")
             return prefix
         known = set(self.control.gossip.members()) | set(self.control.gossip.store.cards())
         matches = sorted(p for p in known if prefix and p.startswith(prefix))

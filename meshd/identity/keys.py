@@ -29,6 +29,11 @@ class IdentityError(MeshError):
     code = ErrorCode.BAD_IDENTITY
 
 
+def is_peer_id(text: str) -> bool:
+    """Whether ``text`` has the form of a peer id (what :func:`peer_id_from_public_key` gives)."""
+    return len(text) == 32 and all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in text)
+
+
 def peer_id_from_public_key(public_key: bytes) -> str:
     """Return the peer id of an Ed25519 public key: base32 of a 160-bit blake2b digest, lowercase, unpadded."""
     if len(public_key) != PUBLIC_KEY_BYTES:

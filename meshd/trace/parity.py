@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ log = logging.getLogger("meshd.trace")
 
 HOP_TIMEOUT_S = 300.0
 MAX_PROMPT_CHARS = 1 << 20
+MAX_TOLERANCE = 1e6  # a relative error past any a real difference shows: larger asks nothing
 MAX_TRACE_INPUT_BYTES = MAX_REQUEST_BYTES - 64 * 1024  # one hop's input, within what a peer request may carry
 
 
@@ -100,8 +100,8 @@ class ParityRequest:
             raise ValueError(f"decode_steps is a whole number from 0 to {MAX_TRACE_DECODE_STEPS}")
         tolerance = doc.get("tolerance")
         if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, int | float)
-                                      or not math.isfinite(tolerance) or tolerance < 0):
-            raise ValueError("tolerance is a relative error: a finite number, 0 or more")
+                                      or not 0 <= tolerance <= MAX_TOLERANCE):
+            raise ValueError(f"tolerance is a relative error: a number from 0 to {MAX_TOLERANCE:g}")
         route = doc.get("route") or ""
         if not isinstance(route, str):
             raise ValueError("route names the hops, head first: PEER,PEER or PEER:START:END,...")
