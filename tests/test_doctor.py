@@ -74,6 +74,61 @@ def test_a_config_that_does_not_match_the_weights_is_named(copy):
     assert not report.ok and "does not match the config" in report.error
 
 
+def _config(model_dir, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _shrink(name: str, rows: int):
+    def change(tensors):
+        tensors[name] = tensors[name][:rows].clone()
+    return change
+
+
+DAMAGE = {
+    "the final norm's shape": (lambda d: rewrite(d, _shrink("model.norm.weight", 32)), "model.norm.weight has shape"),
+    "the embedding's rows": (lambda d: rewrite(d, _shrink("model.embed_tokens.weight", 100)),
+                             "model.embed_tokens.weight has shape [100, 64]"),
+    "the LM head's rows": (lambda d: rewrite(d, _shrink("lm_head.weight", 100)), "lm_head.weight has shape [100, 64]"),
+    "an untied head left out": (lambda d: rewrite(d, lambda t: t.pop("lm_head.weight")),
+                                "no lm_head.weight, and config.json does not tie"),
+    "more layers than the config names": (lambda d: _config(d, num_hidden_layers=2),
+                                          "holds layers from 2 on, past the 2 config.json names"),
+    "a weight stored as integers": (
+        lambda d: rewrite(d, lambda t: t.update({"model.layers.1.self_attn.q_proj.weight": torch.zeros(
+            t["model.layers.1.self_attn.q_proj.weight"].shape, dtype=torch.int32)})), "is stored as I32"),
+    "a config field of the wrong type": (lambda d: _config(d, num_hidden_layers="four"),
+                                         "not a config transformers can read"),
+    "a rope type nobody has": (lambda d: _config(d, rope_parameters={"rope_type": "bogus", "rope_theta": 1e4}),
+                               "cannot be built from config.json"),
+    "no tokenizer": (lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
+                     "the tokenizer in"),
+    "a generation config that is not JSON": (lambda d: (d / "generation_config.json").write_text("{eos"),
+                                             "generation_config.json does not read as JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_what_the_config_and_the_model_code_would_trip_on_is_named(copy, damage):
+    """Each is refused with one line naming what is wrong, not a traceback, nor served as if fine."""
+    harm, says = DAMAGE[damage]
+    harm(copy)
+    report = run_doctor(copy, None, "auto", "cpu")
+    assert not report.ok and says in report.error, report.error
+
+
+def test_a_header_entry_of_the_wrong_types_is_named(copy):
+    raw = (copy / WEIGHTS).read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    header["model.norm.weight"]["shape"] = "64"  # text, not a list of whole numbers
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(size)  # the same length: the data stays put
+    assert len(text) == size
+    (copy / WEIGHTS).write_bytes(raw[:8] + text + raw[8 + size:])
+    report = run_doctor(copy, None, "auto", "cpu")
+    assert not report.ok and "malformed header entry" in report.error, report.error
+
+
 def test_bytes_changed_after_hashing_are_refused_at_load(copy):
     info = describe_model(copy)
     data = bytearray((copy / WEIGHTS).read_bytes())

@@ -25,6 +25,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from meshd.errors import ModelFormatError
 from meshd.session.detokenize import IncrementalDetokenizer
 
 CHAT_BOUNDARY_TAIL = 4  # without offsets: message ends looked for before the last message
@@ -65,15 +66,24 @@ class TextCodec:
 
     @classmethod
     def load(cls, directory: Path) -> TextCodec:
+        """The model's text side; a tokenizer that does not load, or a ``generation_config.json`` that
+        does not read, is a model format error naming it (a peer would otherwise fail every request)."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ModelFormatError(f"the tokenizer in {directory} does not load: {exc}") from None
         stops: set[int] = set()
         if tokenizer.eos_token_id is not None:
             stops.add(int(tokenizer.eos_token_id))
         generation = Path(directory) / "generation_config.json"
         if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
+            try:
+                doc = json.loads(generation.read_text())
+            except (OSError, ValueError) as exc:
+                raise ModelFormatError(f"{generation} does not read as JSON: {exc}") from None
+            eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
             stops.update(int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
         return cls(tokenizer, frozenset(stops), _vocab_size(Path(directory) / "config.json"))
 

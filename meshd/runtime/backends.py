@@ -38,4 +38,9 @@ def open_shard(model_dir: Path, start: int, end: int, *, numerics: Numerics | No
         from meshd.runtime.llamacpp.shard import LlamaCppShard
 
         return LlamaCppShard(model_dir, start, end, numerics=numerics, **options)
-    return Shard(model_dir, start, end, numerics=numerics, **options)
+    try:
+        return Shard(model_dir, start, end, numerics=numerics, **options)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        # what the config asks of the model's code and it cannot build (an unknown rope type, say)
+        raise ModelFormatError(f"{model_dir}: layers [{start}, {end}) cannot be built from config.json: "
+                               f"{type(exc).__name__}: {exc}") from None

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from meshd.errors import ErrorCode, MeshError
+from meshd.models.text import TextCodec
 from meshd.runtime.backends import open_shard
 from meshd.runtime.shard import HIDDEN_STATES, INPUT_IDS, Shard
 from meshd.runtime.speed_probe import measure_decode_tok_s
@@ -71,7 +72,15 @@ def check_shard(shard: Shard, checks: list[Check] | None = None) -> list[Check]:
     try:
         for label, step in (("a prefill chunk", bundle(0, CANONICAL_TOKENS, Phase.PREFILL)),
                             ("a decode step", bundle(CANONICAL_TOKENS, 1, Phase.DECODE))):
-            result = shard.forward(step)
+            try:
+                result = shard.forward(step)
+            except MeshError:
+                raise
+            except Exception as exc:  # weights that load but do not compute together (shapes config.json hides)
+                checks.append(Check(f"{label} through layers [{spec.start}, {spec.end})", False,
+                                    f"{type(exc).__name__}: {exc}"))
+                raise ShardCheckFailed(f"{label} through layers [{spec.start}, {spec.end}) failed: "
+                                       f"{type(exc).__name__}: {exc}") from None
             if spec.is_tail:
                 ok = result.token is not None and 0 <= result.token < spec.vocab_size
                 detail = "finite logits, a token in the vocabulary" if ok else f"token {result.token}"
@@ -125,6 +134,9 @@ def run_doctor(model_path: Path, layers: tuple[int, int] | None, dtype: str, dev
         report.layers = (start, end)
         report.checks.append(Check("the checkpoint reads and hashes", True,
                                    f"{len(info.manifest.tensors)} tensors, {info.manifest.total_bytes / 1e6:.1f} MB"))
+        codec = TextCodec.load(model_dir)  # a peer answers requests with it: one that fails is refused here
+        report.checks.append(Check("the tokenizer loads", True, f"{len(codec.tokenizer)} tokens, "
+                                   f"{'a' if codec.has_chat_template else 'no'} chat template"))
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         shard = open_shard(model_dir, start, end, numerics=info.numerics, manifest=info.manifest, say=say)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 
 from meshd.errors import ModelFormatError
@@ -55,7 +56,7 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         raise ModelFormatError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, TypeError, StrictDataclassError) as exc:  # a field of the wrong type
         raise ModelFormatError(f"{model_dir}/config.json is not a config transformers can read: {exc}") from None
     config._attn_implementation = "sdpa"
     return config
@@ -175,6 +176,9 @@ class SafetensorsIndex:
             stored = STORED_DTYPES.get(str(info["dtype"]))
             if stored is None:
                 raise ModelFormatError(f"tensor {name!r} is stored as {info['dtype']}, which meshd does not read")
+            if dtype.is_floating_point and not stored.is_floating_point:  # read as floats, integers are nonsense
+                raise ModelFormatError(f"tensor {name!r} is stored as {info['dtype']}; meshd reads weights stored "
+                                       "as floating point (a quantized checkpoint needs its own loader)")
             path, start, nbytes = self.location(name)
             # read straight into torch's memory, which starts on a cache line (see ALIGNMENT)
             buffer = torch.empty(nbytes, dtype=torch.uint8)

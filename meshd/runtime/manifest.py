@@ -97,9 +97,12 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
     header.pop("__metadata__", None)
     data_start = 8 + header_len
     for name, info in header.items():
-        if not isinstance(info, dict) or "data_offsets" not in info or "dtype" not in info or "shape" not in info:
-            raise ModelFormatError(f"{path}: tensor {name!r} has a malformed header entry")
-        begin, end = (int(x) for x in info["data_offsets"])
+        offsets, shape = (info.get("data_offsets"), info.get("shape")) if isinstance(info, dict) else (None, None)
+        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not _whole_numbers(offsets, 2)
+                or not _whole_numbers(shape, None)):
+            raise ModelFormatError(f"{path}: tensor {name!r} has a malformed header entry (dtype, shape and "
+                                   "data_offsets: text, whole numbers, two whole numbers)")
+        begin, end = info["data_offsets"]
         if not 0 <= begin <= end or data_start + end > size:
             raise ModelFormatError(f"{path} is truncated: tensor {name!r} ends at byte {data_start + end}, "
                                    f"the file has {size}")
@@ -107,6 +110,12 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
         if expected != end - begin:
             raise ModelFormatError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {expected}")
     return header, data_start
+
+
+def _whole_numbers(value: object, count: int | None) -> bool:
+    """Whether ``value`` is a list of non-negative whole numbers (``count`` of them, when given)."""
+    return (isinstance(value, list) and (count is None or len(value) == count)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
 
 
 def _numel(shape: Iterable[int]) -> int:

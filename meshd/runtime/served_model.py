@@ -20,6 +20,7 @@ from meshd.audit import speed
 from meshd.errors import ErrorCode, KVBudgetExceeded, MeshError
 from meshd.identity import Identity
 from meshd.kvtier.snapshots import Encoded, Expected, encode_snapshot
+from meshd.models.text import TextCodec
 from meshd.runtime.doctor import Check, check_shard
 from meshd.runtime.host import ShardHost
 from meshd.runtime.model_info import ModelInfo
@@ -145,6 +146,8 @@ class ServedModel:
                 log.error("layers [%d, %d) of %s cannot load yet: %s", start, end, self.info.model_id, exc)
                 return
         try:
+            # requests are answered with the model's tokenizer: a model whose tokenizer fails is not served
+            await trio.to_thread.run_sync(TextCodec.load, self.host.model_dir)
             self.checks = await self.host.load(start, end, check=check_shard) or []
             self.decode_tok_s = await self.host.run_sync(measure_decode_tok_s, self.host.require_shard())
             try:

@@ -34,7 +34,7 @@ from meshd.runtime.adapters import ArchitectureAdapter, adapter_for
 from meshd.runtime.attention import ATTENTION_NAME, DecodeRows, PrefillSegments, StepRows, step_rows
 from meshd.runtime.int8 import int8_bytes, quantize_linears, release_freed_memory
 from meshd.runtime.kv import KVManager, SessionKey, SessionKV
-from meshd.runtime.loader import Checkpoint, checkpoint_dtype, load_config, open_checkpoint
+from meshd.runtime.loader import Checkpoint, SafetensorsIndex, checkpoint_dtype, load_config, open_checkpoint
 from meshd.runtime.manifest import Manifest
 from meshd.runtime.numerics import DTYPES, INT8, Numerics, default_numerics, route_linears, routed
 from meshd.runtime.prefix_kv import DEFAULT_PREFIX_BYTES, PrefixSnapshot, scoped_name
@@ -116,6 +116,13 @@ def range_tensors(adapter: ArchitectureAdapter, config: PretrainedConfig, names:
     return sorted(set(wanted))
 
 
+def _shaped(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor``, once it has the shape config.json gives it (else a model format error naming it)."""
+    if tuple(tensor.shape) != shape:
+        raise ModelFormatError(f"{name} has shape {list(tensor.shape)}; config.json makes it {list(shape)}")
+    return tensor
+
+
 class Shard:
     def __init__(
         self,
@@ -175,8 +182,13 @@ class Shard:
         self.embed: nn.Module | None = None
         self.norm: nn.Module | None = None
         self.lm_head: nn.Module | None = None
+        if index.names_with_prefix(a.layer_tensor_prefix(cfg.num_hidden_layers)):
+            raise ModelFormatError(f"the checkpoint holds layers from {cfg.num_hidden_layers} on, past the "
+                                   f"{cfg.num_hidden_layers} config.json names: config and weights disagree")
+        vocab_by_hidden = (cfg.vocab_size, cfg.hidden_size)
         if spec.is_head:
-            weight = index.load([a.embed_tensor], dtype, device)[a.embed_tensor]
+            weight = _shaped(a.embed_tensor, index.load([a.embed_tensor], dtype, device)[a.embed_tensor],
+                             vocab_by_hidden)
             self.embed = a.embedding(cfg, weight).to(device)
         layers = []
         with progress(f"loading layers [{spec.start}, {spec.end})", spec.end - spec.start, "layers", say=self._say,
@@ -203,16 +215,22 @@ class Shard:
         self.rotary = a.rotary_embedding(cfg).to(device)
         if spec.is_tail:
             norm = a.norm(cfg)
-            norm.weight = nn.Parameter(index.load([a.norm_tensor], dtype, device)[a.norm_tensor], requires_grad=False)
+            norm.weight = nn.Parameter(_shaped(a.norm_tensor, index.load([a.norm_tensor], dtype, device)[a.norm_tensor],
+                                               (cfg.hidden_size,)), requires_grad=False)
             self.norm = norm.to(device).eval()
             head_name = a.lm_head_tensor
-            if getattr(cfg, "tie_word_embeddings", False) or head_name not in index:
+            tied = getattr(cfg, "tie_word_embeddings", False)
+            if not tied and head_name not in index and isinstance(index, SafetensorsIndex):
+                raise ModelFormatError(f"the checkpoint has no {head_name}, and config.json does not tie the head "
+                                       "to the embedding (tie_word_embeddings)")
+            if tied or head_name not in index:  # a GGUF file leaves a tied head out without saying so
                 head_name = a.embed_tensor
             head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             if head_name == a.embed_tensor and self.embed is not None:  # tied, and held here already: share it
                 head.weight = self.embed.weight
             else:
-                head.weight = nn.Parameter(index.load([head_name], dtype, device)[head_name], requires_grad=False)
+                head.weight = nn.Parameter(_shaped(head_name, index.load([head_name], dtype, device)[head_name],
+                                                   vocab_by_hidden), requires_grad=False)
             # int8: the embedding stays a float lookup (a tied head gets an int8 copy)
             self.lm_head = quantize_linears(head) if self.numerics.int8 else head
         if self.numerics.int8:
