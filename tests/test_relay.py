@@ -5,6 +5,7 @@ relay restart."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import struct
 
@@ -19,6 +20,7 @@ from meshd.admission.records import sign_membership
 from meshd.identity import Identity
 from meshd.limits import TokenBucket
 from meshd.transport import Transport
+from meshd.transport.errors import TransportError
 from meshd.transport.relay import (
     CLOSE_CODES,
     DIAL_PREFIX,
@@ -509,3 +511,61 @@ async def test_dial_back_requests_are_rate_limited_per_peer_in_bounded_memory(mo
     assert len(helper._asked_at) == 50
     with pytest.raises(DialbackRefused, match="too often"):
         await helper.serve_dialback("asker-499", ask)
+
+
+def _raw_relay_client(port: int, first: bytes, then: bytes = b"", reset: bool = False) -> None:
+    """A client that is no WebSocket peer: ``first``, the relay's answer read, ``then``, and a close (a
+    reset with ``reset``)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(first)
+        if then:
+            s.recv(4096)
+            s.sendall(then)
+        if reset:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def test_clients_that_break_the_protocol_cost_the_relay_nothing(nursery):
+    """Garbage then a reset, and a PING answering the relay's refusal, each failed in trio-websocket's
+    reader and ended the whole relay."""
+    import base64
+
+    relay = await start_relay(nursery)
+    upgrade = (f"GET {DIAL_PREFIX}nosuchpeer HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {base64.b64encode(bytes(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    for _ in range(20):
+        await trio.to_thread.run_sync(_raw_relay_client, relay.port, b"\x00garbage that is not HTTP\r\n\r\n", b"",
+                                      True)
+        await trio.to_thread.run_sync(_raw_relay_client, relay.port, upgrade.encode(),
+                                      bytes([0x89, 0x80]) + bytes(4))  # a masked, empty PING
+    await trio.sleep(0.5)
+    target = await relayed_peer(nursery, relay)
+    assert await round_trip(await dialer(nursery), target, relay) == b"ping"
+
+
+async def test_a_relay_answering_garbage_fails_the_dial_and_the_registration_only(nursery):
+    async def bad_upgrade(stream) -> None:
+        with contextlib.suppress(Exception):
+            await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade"
+                                  b"\r\nSec-WebSocket-Accept: AAAAAAAAAAAAAAAAAAAAAAAAAAA=\r\n\r\n")
+            await trio.sleep(2)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, bad_upgrade, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    client = await dialer(nursery)
+    with pytest.raises(TransportError, match="did not answer as a WebSocket relay"):
+        await client.request(Identity.generate().peer_id, relay_address(f"127.0.0.1:{port}"), ECHO, b"hi",
+                             timeout=5)
+    registration = RelayRegistration(Identity.generate(), f"127.0.0.1:{port}", None, backoff_initial=0.01,
+                                     backoff_max=0.02)
+    async with trio.open_nursery() as inner:
+        inner.start_soon(registration.run)
+        await wait_for(lambda: "did not answer as a WebSocket relay" in (registration.last_error or ""),
+                       "a failed registration")
+        inner.cancel_scope.cancel()
+    relay = await start_relay(nursery)  # the dialler's transport still works
+    target = await relayed_peer(nursery, relay)
+    assert await round_trip(client, target, relay) == b"ping"

@@ -35,11 +35,13 @@ import random
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, connect_websocket
 
 from meshd.address import Address, relay_address
+from meshd.errors import first_leaf
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
 from meshd.transport.websocket import WebSocketStream, close_description
 
@@ -187,11 +189,40 @@ def read_registration(doc: dict) -> Registration:
 # -- the peer's side -------------------------------------------------------------------------------
 
 
+async def connect_guarded(parent: trio.Nursery, host: str, port: int, path: str,
+                          **options: Any) -> WebSocketConnection:
+    """``connect_websocket``, with the WebSocket's reader task in a nursery of its own under ``parent``.
+    The reader fails on what the other end may send at any time (a bad upgrade answer, a PING while
+    closing); in ``parent`` itself that would end every task there (a peer's transport, or its
+    registration). Here it ends this WebSocket only, and its user sees it closed. Failing to connect
+    raises as ``connect_websocket`` does."""
+
+    async def hold(*, task_status: trio.TaskStatus[WebSocketConnection] = trio.TASK_STATUS_IGNORED) -> None:
+        connected = False
+        try:
+            async with trio.open_nursery() as own:
+                ws = await connect_websocket(own, host, port, path, use_ssl=False, **options)
+                connected = True
+                task_status.started(ws)
+        except Exception as exc:
+            leaf = first_leaf(exc)
+            if connected:
+                log.info("relay %s:%d: a WebSocket failed: %s", host, port, leaf)
+            elif isinstance(leaf, OSError | HandshakeError | ConnectionClosed | trio.TooSlowError):
+                raise leaf from None
+            else:  # the answer broke the HTTP or WebSocket protocol: a failed handshake all the same
+                raise HandshakeError(f"{host}:{port} did not answer as a WebSocket relay: "
+                                     f"{type(leaf).__name__}: {leaf}") from None
+
+    ws: WebSocketConnection = await parent.start(hold)
+    return ws
+
+
 async def dial(nursery: trio.Nursery, relay: Address, peer_id: str, *, max_chunk: int) -> WebSocketStream:
-    """A byte stream to ``peer_id`` through a relay; the WebSocket's reader task runs in ``nursery``."""
+    """A byte stream to ``peer_id`` through a relay; the WebSocket's reader task runs under ``nursery``."""
     endpoint = relay.endpoint
-    ws = await connect_websocket(nursery, endpoint.host, endpoint.port, DIAL_PREFIX + peer_id, use_ssl=False,
-                                 receive_buffer_size=DATA_RECEIVE_BUFFER)
+    ws = await connect_guarded(nursery, endpoint.host, endpoint.port, DIAL_PREFIX + peer_id,
+                               receive_buffer_size=DATA_RECEIVE_BUFFER)
     return WebSocketStream(ws, max_chunk=max_chunk)
 
 
@@ -258,7 +289,7 @@ class RelayRegistration:
     async def _session(self, nursery: trio.Nursery) -> None:
         host, port = self.relay.host, self.relay.port
         with trio.fail_after(10):
-            ws = await connect_websocket(nursery, host, port, REGISTER_PATH, use_ssl=False)
+            ws = await connect_guarded(nursery, host, port, REGISTER_PATH)
         try:
             with trio.fail_after(10):
                 challenge = parse_message(await _get(ws), "challenge")
@@ -290,9 +321,8 @@ class RelayRegistration:
         assert self._nursery is not None
         try:
             with trio.fail_after(10):
-                ws = await connect_websocket(self._nursery, self.relay.host, self.relay.port,
-                                             ACCEPT_PREFIX + circuit_id, use_ssl=False,
-                                             receive_buffer_size=DATA_RECEIVE_BUFFER)
+                ws = await connect_guarded(self._nursery, self.relay.host, self.relay.port, ACCEPT_PREFIX + circuit_id,
+                                           receive_buffer_size=DATA_RECEIVE_BUFFER)
         except (OSError, HandshakeError, trio.TooSlowError) as exc:
             log.warning("relay %s: cannot accept circuit %s: %s", self.relay, circuit_id[:8], exc)
             return

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import trio
 from google.protobuf.message import DecodeError
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from meshd.address import Address
 from meshd.admission.records import check_membership
 from meshd.api.openai_server import serve_asgi, start_listener
-from meshd.errors import MeshError
+from meshd.errors import MeshError, first_leaf
 from meshd.files import write_atomically
 from meshd.limits import TokenBucket
 from meshd.transport.relay import (
@@ -55,6 +55,20 @@ log = logging.getLogger("meshd.relay")
 
 NONCE_MEMORY = 100_000
 Tap = Callable[[str, str, bytes], None]  # (circuit id, direction, message) for every message piped
+
+
+class _ConnectionsApart(WebSocketServer):
+    """trio-websocket runs each connection's reader in the connection's own task, whose failure it
+    passes on to the server's nursery: a client that sends garbage and resets, or answers a close with a
+    PING, would end the relay for everybody. Here a connection's failure ends that connection only."""
+
+    async def _handle_connection(self, stream: trio.abc.Stream) -> None:
+        try:
+            await super()._handle_connection(stream)
+        except Exception as exc:
+            log.debug("a connection failed: %r", first_leaf(exc))
+        finally:
+            await trio.aclose_forcefully(stream)
 
 
 @dataclass
@@ -103,12 +117,7 @@ class RelayServer:
         cfg = self.config
         listen = Address.parse(cfg.listen)
         async with trio.open_nursery() as nursery:
-            server = await start_listener(
-                nursery, "the relay", listen,
-                lambda task_status: serve_websocket(
-                    self._handle, listen.host, listen.port, None, handler_nursery=nursery,
-                    max_message_size=cfg.max_message_bytes, receive_buffer_size=64 * 1024,
-                    connect_timeout=cfg.handshake_timeout_s, task_status=task_status))
+            server = await start_listener(nursery, "the relay", listen, self._listen, listen, nursery)
             self.port = int(server.port)
             metrics: Address | None = None
             if cfg.metrics:
@@ -124,6 +133,15 @@ class RelayServer:
             if cfg.ready_file is not None:
                 write_atomically(cfg.ready_file, json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
             task_status.started(self)
+
+    async def _listen(self, listen: Address, nursery: trio.Nursery, *,
+                      task_status: trio.TaskStatus[WebSocketServer] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        listeners = await trio.open_tcp_listeners(listen.port, host=listen.host)
+        server = _ConnectionsApart(self._handle, listeners, handler_nursery=nursery,
+                                   max_message_size=cfg.max_message_bytes, receive_buffer_size=64 * 1024,
+                                   connect_timeout=cfg.handshake_timeout_s)
+        await server.run(task_status=task_status)
 
     # -- dispatch ----------------------------------------------------------------------------------
 
