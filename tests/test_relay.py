@@ -309,6 +309,24 @@ async def test_circuit_limit_per_peer(nursery):
     assert await round_trip(clients[2], other, relay) == b"ping"  # other peers are unaffected
 
 
+async def test_registering_again_keeps_a_peers_circuit_count_and_allowance(nursery):
+    """Circuits outlive the registration they came through: a peer registering again (over its live
+    registration, or after dropping it) must not get a fresh circuit count or bandwidth bucket."""
+    relay = await start_relay(nursery, max_circuits_per_peer=2)
+    identity = Identity.generate()
+    first = await relayed_peer(nursery, relay, identity)
+    clients = [await dialer(nursery) for _ in range(3)]
+    for client in clients[:2]:
+        assert await round_trip(client, first, relay) == b"ping"
+    bucket = relay._peers[identity.peer_id].bucket
+    again = await relayed_peer(nursery, relay, identity)  # the same peer registers a second time
+    await wait_for(lambda: first.registration.last_error is not None, "the first registration replaced")
+    assert relay._peers[identity.peer_id].bucket is bucket
+    with pytest.raises(Exception, match="circuit_limit"):
+        await round_trip(clients[2], again, relay)
+    assert relay.metrics.value("meshd_relay_open_circuits") == 2
+
+
 async def test_oversize_message_is_refused(nursery):
     relay = await start_relay(nursery, max_message_bytes=64 * 1024)
     target = await relayed_peer(nursery, relay)

@@ -77,7 +77,7 @@ class _Registered:
     control: WebSocketConnection
     bucket: TokenBucket
     remote: str
-    circuits: set[str] = field(default_factory=set)
+    circuits: set[str] = field(default_factory=set)  # shared by its registrations: see RelayServer._allowance
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     gone: trio.Event = field(default_factory=trio.Event)
 
@@ -108,6 +108,7 @@ class RelayServer:
         self._circuits: dict[str, _Circuit] = {}
         self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._allow = frozenset(config.allow_peers)
+        self._allowances: dict[str, tuple[set[str], TokenBucket]] = {}  # per peer: see _allowance
 
     @property
     def registered(self) -> list[str]:
@@ -218,7 +219,8 @@ class RelayServer:
             await self._refuse(ws, Reason.RELAY_FULL, peer=peer_id, remote=remote)
             return
         previous = self._peers.get(peer_id)
-        peer = _Registered(peer_id, ws, self._bucket(previous), remote)
+        circuits, bucket = self._allowance(peer_id)
+        peer = _Registered(peer_id, ws, bucket, remote, circuits)
         self._peers[peer_id] = peer
         self.metrics.registered_peers.set(len(self._peers))
         self.metrics.registrations.inc()
@@ -239,14 +241,25 @@ class RelayServer:
                 del self._peers[peer_id]
                 self.metrics.registered_peers.set(len(self._peers))
                 _event("info", "unregistered", peer=peer_id)
+                self._release_allowance(peer_id)
             peer.gone.set()
 
-    def _bucket(self, previous: _Registered | None) -> TokenBucket:
-        if previous is not None:
-            return previous.bucket  # re-registering does not refill a peer's allowance
-        cfg = self.config
-        return TokenBucket(cfg.bandwidth_bytes_per_s, cfg.bandwidth_burst_bytes, cfg.bandwidth_max_delay_s,
-                           trio.current_time())
+    def _allowance(self, peer_id: str) -> tuple[set[str], TokenBucket]:
+        """A peer's open circuits and bandwidth bucket, the same across its registrations while any of
+        its circuits is open: registering again (after a drop, or over a live registration) neither
+        clears its circuit count nor refills its allowance."""
+        held = self._allowances.get(peer_id)
+        if held is None:
+            cfg = self.config
+            held = self._allowances[peer_id] = (set(), TokenBucket(
+                cfg.bandwidth_bytes_per_s, cfg.bandwidth_burst_bytes, cfg.bandwidth_max_delay_s, trio.current_time()))
+        return held
+
+    def _release_allowance(self, peer_id: str) -> None:
+        """Forget a peer's allowance once it is neither registered nor has a circuit open."""
+        held = self._allowances.get(peer_id)
+        if held is not None and not held[0] and peer_id not in self._peers:
+            del self._allowances[peer_id]
 
     # -- circuits ----------------------------------------------------------------------------------
 
@@ -289,6 +302,7 @@ class RelayServer:
         finally:
             del self._circuits[circuit.circuit_id]
             peer.circuits.discard(circuit.circuit_id)
+            self._release_allowance(peer_id)
             circuit.done.set()
 
     async def _accept(self, request: WebSocketRequest, circuit_id: str) -> None:
