@@ -1,12 +1,14 @@
 """Rates with a burst, per peer, as a pure state machine (time is passed in): the relay's bandwidth
 per registered peer, the requests a peer answers from each other peer, the sessions it lets each
-open. And the one way state kept per peer stays bounded: the least recently used entry goes first.
+open. And the one way state kept per peer stays bounded: the least recently used entry goes first;
+and the one way JSON from others is read, bounded by the parser's stack as by a clear error.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, MutableMapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -63,3 +65,13 @@ class KeyedRates:
         """Whether one more event of ``key`` fits its rate now (and count it if so)."""
         bucket = self._buckets.get(key) or TokenBucket(self.rate, self.burst, 0.0, now)
         return remember(self._buckets, key, bucket, self.capacity).take(1, now) == 0.0
+
+
+def parse_json(data: str | bytes | bytearray) -> Any:
+    """``json.loads``, with a document nested past what the parser's stack holds raised as the
+    ``ValueError`` any other bad JSON is: a short message of brackets must not escape its reader's
+    error handling (a request, a relay's control message, a capture line)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None

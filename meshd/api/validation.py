@@ -17,6 +17,7 @@ from typing import Any
 from meshd.api.backend import GenerationRequest, RequestKind
 from meshd.api.errors import BadRequest
 from meshd.errors import ErrorCode
+from meshd.limits import parse_json
 from meshd.wire.limits import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
@@ -39,12 +40,10 @@ class ParsedRequest:
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}", code=ErrorCode.INVALID_JSON) from None
-    except RecursionError:
-        raise BadRequest("The request body nests arrays or objects too deeply.", code=ErrorCode.INVALID_JSON) from None
-    except ValueError as exc:  # valid JSON text Python will not hold, as an integer of thousands of digits
+    except ValueError as exc:  # JSON Python will not hold: nested too deeply, an integer of thousands of digits
         raise BadRequest(f"The request body holds a value that cannot be read: {exc}",
                          code=ErrorCode.INVALID_JSON) from None
     if not isinstance(body, dict):

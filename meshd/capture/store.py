@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshd.limits import parse_json
+
 log = logging.getLogger("meshd.capture")
 
 SEGMENT = re.compile(r"^capture-(\d{6,})\.jsonl$")
@@ -246,8 +248,8 @@ def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]
             continue
         last = number == len(lines)
         try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested past what the parser's stack holds
+            doc = parse_json(raw)
+        except ValueError:
             doc = None
         if not isinstance(doc, dict) or (last and torn_tail):
             what = "a torn last line (the daemon stopped mid-write)" if last else "not a JSON record"

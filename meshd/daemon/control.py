@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,7 @@ from starlette.routing import Route
 
 from meshd.admission import NotAdmitter
 from meshd.daemon.status import models_table, peer_status, peers_table, route_as_json, sessions_table
+from meshd.limits import parse_json
 from meshd.stats import percentiles
 from meshd.trace.parity import trace_parity_endpoint
 from meshd.tracker.routing import NoRouteError
@@ -89,8 +89,8 @@ def build_control_app(peer: Peer) -> Starlette:
 
     async def body_of(request: Request) -> dict:
         try:
-            doc = json.loads(await request.body() or b"{}")
-        except (ValueError, RecursionError):  # RecursionError: nested past what the parser's stack holds
+            doc = parse_json(await request.body() or b"{}")
+        except ValueError:
             raise ValueError("the body is not JSON this daemon can read") from None
         if not isinstance(doc, dict):
             raise ValueError("the body is a JSON object")

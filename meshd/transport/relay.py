@@ -43,6 +43,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from meshd.address import Address, relay_address
 from meshd.errors import first_leaf
 from meshd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_from_public_key, verify
+from meshd.limits import parse_json
 from meshd.transport.websocket import WebSocketStream, close_description
 
 log = logging.getLogger("meshd.relay.client")
@@ -137,11 +138,9 @@ def parse_message(message: str | bytes, expected_type: str | None = None) -> dic
     if isinstance(message, bytes) or len(message) > CONTROL_MESSAGE_LIMIT:
         raise RelayRejected(Reason.MALFORMED, "control messages are short JSON text")
     try:
-        doc = json.loads(message)
-    except ValueError:
-        raise RelayRejected(Reason.MALFORMED, "not JSON") from None
-    except RecursionError:  # short, yet nested past what the parser's stack holds
-        raise RelayRejected(Reason.MALFORMED, "JSON nested too deeply") from None
+        doc = parse_json(message)
+    except ValueError as exc:
+        raise RelayRejected(Reason.MALFORMED, f"not JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("type"), str):
         raise RelayRejected(Reason.MALFORMED, "no message type")
     if expected_type is not None and doc["type"] != expected_type:
